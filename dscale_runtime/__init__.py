@@ -1,0 +1,1 @@
+"""DScale runtime: models, KV cache, engine (DFlash and DScale decoding)."""

@@ -1,0 +1,107 @@
+"""Ragged attention over the paged KV cache: the metadata every forward carries, and the portable path.
+
+Rows of one forward are packed request after request (prefill chunks, 16-slot verify blocks, DScale's
+variable prefixes or single decode rows alike). `AttentionMetadata` says, for every row, which request
+it belongs to and where it sits, and for every request which cache pages it owns. The portable path
+here gathers each request's keys, pads the queries per request and runs SDPA with an explicit mask; it
+is the oracle for any fast kernel (the Triton path of the GPU issue is tested against it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Row-to-request mapping and cache addressing for one forward over T packed rows of N requests."""
+
+    row_req: torch.Tensor  # [T] int64, request index of each row (0..N-1)
+    row_local: torch.Tensor  # [T] int64, index of the row inside its request's query (0..q_len-1)
+    positions: torch.Tensor  # [T] int64, absolute position of each row (RoPE and the causal bound)
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot that receives each row's K/V
+    kv_lens: torch.Tensor  # [N] int64, keys visible to each request once this forward has written
+    block_tables: torch.Tensor  # [N, max_pages] int64, page ids of each request (unused entries 0)
+    max_q: int  # longest per-request query (padding height of the portable path)
+    max_kv: int  # longest kv_len (padding width of the portable path)
+    causal: bool  # True: a row at position p sees keys <= p; False: every key < kv_len (DFlash block)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.kv_lens.shape[0])
+
+
+def build_metadata(
+    query_lens: list[int],
+    ctx_lens: list[int],
+    block_tables: list[list[int]],
+    page_size: int,
+    device: torch.device | str,
+    causal: bool = True,
+) -> AttentionMetadata:
+    """Metadata for requests whose `query_lens[i]` new rows start at position `ctx_lens[i]`."""
+    assert len(query_lens) == len(ctx_lens) == len(block_tables)
+    row_req, row_local, positions, slots = [], [], [], []
+    for i, (q_len, ctx) in enumerate(zip(query_lens, ctx_lens)):
+        table = block_tables[i]
+        for j in range(q_len):
+            pos = ctx + j
+            assert pos // page_size < len(table), "request has too few cache pages for its rows"
+            row_req.append(i)
+            row_local.append(j)
+            positions.append(pos)
+            slots.append(table[pos // page_size] * page_size + pos % page_size)
+    max_pages = max((len(t) for t in block_tables), default=1) or 1
+    tables = torch.zeros(len(block_tables), max_pages, dtype=torch.long)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    kv_lens = [c + q for c, q in zip(ctx_lens, query_lens)]
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return AttentionMetadata(
+        row_req=as_tensor(row_req),
+        row_local=as_tensor(row_local),
+        positions=as_tensor(positions),
+        slot_mapping=as_tensor(slots),
+        kv_lens=as_tensor(kv_lens),
+        block_tables=tables.to(device),
+        max_q=max(query_lens, default=1),
+        max_kv=max(kv_lens, default=1),
+        causal=causal,
+    )
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_slots, KVH, D] (this layer)
+    v_cache: torch.Tensor,  # [num_slots, KVH, D]
+    meta: AttentionMetadata,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Portable ragged attention: gather keys per request, pad queries per request, masked SDPA."""
+    n, max_q, max_kv = meta.num_requests, meta.max_q, meta.max_kv
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    device = q.device
+    key_pos = torch.arange(max_kv, device=device)  # [max_kv]
+    pages = meta.block_tables.gather(1, (key_pos // page_size).clamp(max=meta.block_tables.shape[1] - 1).expand(n, -1))
+    key_slots = pages * page_size + key_pos % page_size  # [N, max_kv]
+    k = k_cache[key_slots].transpose(1, 2)  # [N, KVH, max_kv, D]
+    v = v_cache[key_slots].transpose(1, 2)
+    q_pad = q.new_zeros(n, max_q, num_heads, head_dim)
+    q_pad[meta.row_req, meta.row_local] = q
+    q_pad = q_pad.transpose(1, 2)  # [N, H, max_q, D]
+    visible = key_pos[None, :] < meta.kv_lens[:, None]  # [N, max_kv]
+    mask = visible[:, None, :].expand(n, max_q, max_kv).clone()  # [N, max_q, max_kv]
+    if meta.causal:
+        row_pos = torch.full((n, max_q), -1, dtype=torch.long, device=device)
+        row_pos[meta.row_req, meta.row_local] = meta.positions
+        mask &= key_pos[None, None, :] <= row_pos[:, :, None]
+    # NOTE: padded query rows would see no key and give NaN; let them see key 0 and discard them.
+    mask[:, :, 0] |= ~mask.any(-1)
+    out = F.scaled_dot_product_attention(
+        q_pad, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=num_heads != k.shape[1]
+    )  # [N, H, max_q, D]
+    return out.transpose(1, 2)[meta.row_req, meta.row_local]

@@ -1,0 +1,126 @@
+"""Public configuration of the engine (`EngineConfig`) and of a request (`SamplingParams`).
+
+Both are frozen dataclasses whose field docstrings document every option; invalid values raise a
+`ValueError` that names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODES = ("target", "dflash")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: decoding mode, batch and memory limits, device and numerics."""
+
+    mode: str = "dflash"
+    """'target': target-only decoding (the reference); 'dflash': full-width DFlash verification of all
+    `block_size` slots."""
+    max_running_requests: int = 32
+    """Most requests decoded together (continuous batching); more wait in the queue."""
+    max_model_len: int = 4096
+    """Longest prompt + output of one request, in tokens; a longer prompt is refused."""
+    device: str = "cpu"
+    """Torch device of the models and caches ('cpu', 'cuda', 'cuda:1', ...)."""
+    dtype: str = "auto"
+    """Weights, activations and KV cache: 'float32', 'bfloat16', 'float16' or 'auto' (bf16 on CUDA,
+    fp32 on CPU)."""
+    block_size: int | None = None
+    """Slots per DFlash block W (anchor + W-1 drafts); None takes the drafter's `block_size`."""
+    page_size: int = 16
+    """Tokens per KV-cache page."""
+    kv_cache_tokens: int | None = None
+    """Total KV-cache capacity in tokens, shared by all requests (target and drafter alike); None sizes it
+    for `max_running_requests` full-length requests. Requests that do not fit wait in the queue."""
+    seed: int = 0
+    """Seed of the engine's random stream for requests that carry no seed of their own."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"EngineConfig.mode must be one of {MODES}, got '{self.mode}'")
+        if self.max_running_requests < 1:
+            raise ValueError(f"EngineConfig.max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.page_size < 1:
+            raise ValueError(f"EngineConfig.page_size must be >= 1, got {self.page_size}")
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"EngineConfig.block_size must be >= 2, got {self.block_size}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"EngineConfig.kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding options (the vLLM/OpenAI vocabulary)."""
+
+    temperature: float = 1.0
+    """0 means greedy decoding; otherwise logits are divided by it before top-k/top-p."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = -1
+    """Keep the k most likely tokens (-1 or 0 = off)."""
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends when the text contains one; the text ends before it."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (kept as the last token id, left out of the text)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's end-of-sequence tokens."""
+    seed: int | None = None
+    """Seed of this request's own random stream (reproducible sampling whatever the batch)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise ValueError("SamplingParams.stop must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class RequestStats:
+    """What one request's decoding did."""
+
+    num_steps: int = 0
+    """Decode steps the request took part in (prefill excluded)."""
+    accepted_lens: list[int] = field(default_factory=list)
+    """Accepted draft count at each decode step (0..W-1; always 0 in target mode)."""
+    verify_lens: list[int] = field(default_factory=list)
+    """Verified slots k at each decode step (anchor included)."""
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens gained per decode step: accepted drafts + the successor."""
+        return 1.0 + sum(self.accepted_lens) / len(self.accepted_lens) if self.accepted_lens else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Generated token ids (a stop token id or EOS that ended the request is the last one)."""
+    text: str | None
+    """Detokenized output without special tokens, cut before a stop string (None without a tokenizer)."""
+    finish_reason: str
+    """'stop' (EOS, stop token or stop string), 'length' (max_tokens or max_model_len) or 'abort'."""
+    stats: RequestStats

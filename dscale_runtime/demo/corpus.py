@@ -1,0 +1,91 @@
+"""The demo corpus: the running interpreter's standard-library source, split by module into train / held-out.
+
+The file list is fixed and sorted; a module is held out when a stable hash of its relative path falls in
+the held-out bucket, so the split is the same on every machine that has the same Python version.
+Held-out modules give the evaluation prompts: a function's signature and docstring, the body to write.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import sysconfig
+import textwrap
+from pathlib import Path
+
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "pydoc_data", "lib2to3", "turtledemo",
+             "ensurepip", "venv"}
+HELD_OUT_BUCKETS = 10  # one module in ten (by hash) is held out
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """Every stdlib *.py file outside test and data folders, sorted by relative path."""
+    root = root or stdlib_root()
+    files = [p for p in root.rglob("*.py") if not (set(p.relative_to(root).parts[:-1]) & SKIP_DIRS)]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_held_out(relpath: str) -> bool:
+    return int(hashlib.sha1(relpath.encode()).hexdigest(), 16) % HELD_OUT_BUCKETS == 0
+
+
+def split_files(root: Path | None = None, limit: int | None = None) -> tuple[list[Path], list[Path]]:
+    """(train files, held-out files); `limit` keeps only the first files of the sorted list (tiny runs)."""
+    root = root or stdlib_root()
+    files = stdlib_files(root)[:limit]
+    held = [p for p in files if is_held_out(p.relative_to(root).as_posix())]
+    train = [p for p in files if not is_held_out(p.relative_to(root).as_posix())]
+    return train, held
+
+
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def function_prompts(files: list[Path], root: Path | None = None, max_prompts: int = 256,
+                     max_chars: int = 1200) -> list[dict]:
+    """Prompts `def name(args):` + docstring (dedented) from functions with docstrings, in file order."""
+    root = root or stdlib_root()
+    prompts = []
+    for path in files:
+        source = read_text(path)
+        if source is None:
+            continue
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not ast.get_docstring(node):
+                continue
+            doc = node.body[0]
+            if len(node.body) < 2 or doc.end_lineno is None:
+                continue  # a docstring-only function has no body to write
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            text = textwrap.dedent("".join(lines[start - 1 : doc.end_lineno]))
+            if len(text) > max_chars:
+                continue
+            rel = path.relative_to(root).as_posix()
+            prompts.append({"id": f"stdlib/{rel}:{node.lineno}:{node.name}", "dataset": "stdlib-heldout",
+                            "prompt": text})
+            if len(prompts) >= max_prompts:
+                return prompts
+    return prompts
+
+
+def corpus_text(files: list[Path], eos: str) -> str:
+    """All files joined, each followed by the end-of-text token."""
+    parts = []
+    for path in files:
+        text = read_text(path)
+        if text:
+            parts.append(text + eos)
+    return "".join(parts)

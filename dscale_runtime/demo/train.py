@@ -1,0 +1,264 @@
+"""Training of the demo pair: a byte-level BPE tokenizer, a Qwen3 target, and a DFlash drafter.
+
+The target is a transformers `Qwen3ForCausalLM` trained on the stdlib corpus (so its checkpoint is the
+Hugging Face layout by construction). The drafter is our `DFlashDraftModel`, trained with the target
+frozen to predict the target's own greedy continuations block-parallel: for an anchor at position p of a
+greedy sequence, the context is the fused target features of positions < p, the block is
+[x_p, mask x (W-1)] at positions p..p+W-1, and the labels are x_{p+1..p+W-1}. `draft_train_forward` is the
+dense form of the drafter's paged inference forward (a test holds the two equal).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dscale_runtime.models.config import DFlashConfig, Qwen3Config
+from dscale_runtime.models.dflash import DFlashDraftModel
+from dscale_runtime.models.layers import apply_rope, rope_cos_sin
+
+EOS_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mask|>"
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+def train_tokenizer(texts: list[str], vocab_size: int, folder: Path, max_len: int):
+    """Byte-level BPE with the end-of-text and DFlash mask special tokens; saved for AutoTokenizer."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer(add_prefix_space=False)
+    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN, MASK_TOKEN],
+                            show_progress=False)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN, "mask_token": MASK_TOKEN,
+        "pad_token": EOS_TOKEN, "model_max_length": max_len, "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    return tok
+
+
+def encode_corpus(tok, texts: list[str]) -> np.ndarray:
+    """Token ids of all texts, each followed by end-of-text (uint16 when the vocabulary allows)."""
+    eos = tok.token_to_id(EOS_TOKEN)
+    ids: list[int] = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return np.asarray(ids, dtype=np.uint16 if tok.get_vocab_size() < 65536 else np.int32)
+
+
+def random_windows(stream: np.ndarray, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=gen)
+    return torch.stack([torch.from_numpy(stream[s : s + length].astype(np.int64)) for s in starts.tolist()])
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---------------------------------------------------------------------------------------------- target
+def make_target(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                max_positions: int, eos_id: int):
+    from transformers import Qwen3Config as HFConfig
+    from transformers import Qwen3ForCausalLM as HFModel
+
+    cfg = HFConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                   max_position_embeddings=max_positions, rope_theta=10000.0, tie_word_embeddings=True,
+                   eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=eos_id)
+    return HFModel(cfg)
+
+
+def autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" or AUTOCAST_CPU)
+
+
+AUTOCAST_CPU = False  # tests flip this to run the GPU's mixed-precision path on the CPU
+
+
+def train_target(model, stream: np.ndarray, *, steps: int, batch: int, seq_len: int, lr: float, device: torch.device,
+                 seed: int, log) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
+    curve, t0 = [], time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, max(1, steps // 20))
+        ids = random_windows(stream, batch, seq_len + 1, gen).to(device)
+        with autocast(device):
+            logits = model(ids[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % max(1, steps // 20) == 0 or step == steps - 1:
+            curve.append({"step": step, "loss": round(loss.item(), 4), "seconds": round(time.time() - t0, 1)})
+            log(f"target step {step}/{steps} loss {loss.item():.3f}")
+    return curve
+
+
+@torch.no_grad()
+def perplexity(model, stream: np.ndarray, *, seq_len: int, device: torch.device, max_windows: int = 256) -> float:
+    """Held-out perplexity over consecutive non-overlapping windows."""
+    model.eval()
+    n = min(max_windows, (len(stream) - 1) // seq_len)
+    total, count = 0.0, 0
+    for start in range(0, n, 32):
+        rows = [stream[(start + i) * seq_len : (start + i) * seq_len + seq_len + 1] for i in range(min(32, n - start))]
+        ids = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
+        with autocast(device):
+            logits = model(ids[:, :-1]).logits
+        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                 reduction="sum").item()
+        count += ids[:, 1:].numel()
+    return math.exp(total / max(count, 1))
+
+
+# ---------------------------------------------------------------------------------------------- drafter
+def drafter_config(target: Qwen3Config, *, layers: int, block_size: int, mask_token_id: int,
+                   target_layer_ids: tuple[int, ...]) -> tuple[DFlashConfig, dict]:
+    """Our DFlashConfig and the z-lab style config.json dict describing the same drafter."""
+    draft_layers = Qwen3Config(
+        hidden_size=target.hidden_size, intermediate_size=target.intermediate_size, num_hidden_layers=layers,
+        num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim, vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings, torch_dtype="bfloat16")
+    cfg = DFlashConfig(draft_layers, block_size, mask_token_id, tuple(target_layer_ids), target.num_hidden_layers)
+    as_json = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": block_size,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)},
+        "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+        "num_hidden_layers": layers, "num_target_layers": target.num_hidden_layers,
+        "num_attention_heads": target.num_attention_heads, "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": target.head_dim, "vocab_size": target.vocab_size, "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta, "max_position_embeddings": target.max_position_embeddings,
+        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    }
+    return cfg, as_json
+
+
+def init_drafter(cfg: DFlashConfig, seed: int) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def draft_train_forward(
+    drafter: DFlashDraftModel,
+    embed: torch.nn.Embedding,
+    features: torch.Tensor,  # [B, S, L_t * d] target layer outputs of the whole sequence
+    tokens: torch.Tensor,  # [B, S]
+    anchors: torch.Tensor,  # [B, nb] anchor positions (context = positions < anchor)
+) -> torch.Tensor:  # [B, nb, W - 1, d] final-normed hidden states of the draft positions
+    """Dense drafter forward over nb blocks per sequence, each attending to its own context and block."""
+    cfg = drafter.config
+    w, (b, s), nb = cfg.block_size, tokens.shape, anchors.shape[1]
+    device = tokens.device
+    attn0 = drafter.layers[0].self_attn
+    heads, kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+    fused = drafter.fuse_context(features)  # [B, S, d]
+    block_pos = anchors[:, :, None] + torch.arange(w, device=device)  # [B, nb, W]
+    block_tok = torch.full((b, nb, w), cfg.mask_token_id, dtype=torch.long, device=device)
+    block_tok[:, :, 0] = tokens.gather(1, anchors)
+    x = embed(block_tok).reshape(b, nb * w, -1).to(fused.dtype)
+    ctx_pos = torch.arange(s, device=device)
+    sees_ctx = (ctx_pos[None, None, :] < anchors[:, :, None]).repeat_interleave(w, dim=1)  # [B, nb*W, S]
+    block_id = torch.arange(nb, device=device).repeat_interleave(w)
+    sees_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)  # [B, nb*W, nb*W]
+    mask = torch.cat([sees_ctx, sees_block], dim=-1)[:, None]  # [B, 1, nb*W, S + nb*W]
+    theta = cfg.layers.rope_theta
+    cos_c, sin_c = rope_cos_sin(ctx_pos, head_dim, theta, fused.dtype)
+    cos_b, sin_b = rope_cos_sin(block_pos.reshape(-1), head_dim, theta, fused.dtype)
+
+    def rope(t, cos, sin):  # t [B, T, heads, D]; cos/sin [T, D] or [B*T, D]
+        flat = t.reshape(-1, t.shape[2], t.shape[3])
+        if cos.shape[0] != flat.shape[0]:
+            cos, sin = cos.repeat(t.shape[0], 1), sin.repeat(t.shape[0], 1)
+        return apply_rope(flat, cos, sin).view_as(t)
+
+    for layer in drafter.layers:
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = rope(a.q_norm(a.q_proj(h).view(b, nb * w, heads, head_dim)), cos_b, sin_b)
+        k_ctx = rope(a.k_norm(a.k_proj(fused).view(b, s, kv_heads, head_dim)), cos_c, sin_c)
+        k_blk = rope(a.k_norm(a.k_proj(h).view(b, nb * w, kv_heads, head_dim)), cos_b, sin_b)
+        v = torch.cat([a.v_proj(fused).view(b, s, kv_heads, head_dim),
+                       a.v_proj(h).view(b, nb * w, kv_heads, head_dim)], dim=1)
+        k = torch.cat([k_ctx, k_blk], dim=1).to(v.dtype)
+        q = q.to(v.dtype)  # NOTE: under autocast the norms return fp32 while v_proj returns bf16
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             scale=a.scale, enable_gqa=heads != kv_heads)
+        x = x + a.o_proj(out.transpose(1, 2).reshape(b, nb * w, heads * head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.norm(x).view(b, nb, w, -1)[:, :, 1:]
+
+
+@torch.no_grad()
+def target_features(hf_target, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """Outputs of the target layers `layer_ids` ([B, S, len(layer_ids) * d]), transformers numbering + 1."""
+    out = hf_target(tokens, output_hidden_states=True)
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, *, prompt_len: int, steps: int,
+                  batch: int, blocks_per_seq: int, lr: float, device: torch.device, seed: int, log,
+                  decay: float = 7.0) -> list[dict]:
+    """sequences [num, S]: a corpus window of prompt_len tokens followed by the target's greedy continuation."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = drafter.config
+    w = cfg.block_size
+    hf_target.to(device).eval().requires_grad_(False)
+    embed = hf_target.get_input_embeddings()
+    lm_head = hf_target.get_output_embeddings()
+    drafter.to(device).train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01,
+                            fused=device.type == "cuda")
+    # NOTE: early positions decide the accepted prefix, so they weigh more (exponential decay over j).
+    weights = torch.exp(-torch.arange(w - 1, device=device, dtype=torch.float32) / decay)
+    s = sequences.shape[1]
+    low, high = prompt_len - 1, s - w  # anchors whose W-1 labels are all greedy continuation tokens
+    curve, t0 = [], time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, max(1, steps // 20))
+        rows = torch.randint(0, sequences.shape[0], (batch,), generator=gen)
+        tokens = sequences[rows].to(device)
+        anchors = torch.stack([torch.randperm(high - low + 1, generator=gen)[:blocks_per_seq] for _ in range(batch)])
+        anchors = (anchors + low).sort(dim=1).values.to(device)
+        labels = tokens.gather(1, (anchors[:, :, None] + torch.arange(1, w, device=device)).reshape(batch, -1))
+        with autocast(device):
+            feats = target_features(hf_target, tokens, cfg.target_layer_ids)
+            hidden = draft_train_forward(drafter, embed, feats, tokens, anchors)
+            logits = lm_head(hidden).float()  # [B, nb, W-1, V]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        loss = (ce.view(batch, blocks_per_seq, w - 1) * weights).sum(-1).mean() / weights.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        if step % max(1, steps // 20) == 0 or step == steps - 1:
+            with torch.no_grad():
+                hit = (logits.argmax(-1) == labels.view(batch, blocks_per_seq, w - 1)).float()
+                run = hit.cumprod(-1).sum(-1).mean().item()  # accepted drafts if verified against these labels
+            curve.append({"step": step, "loss": round(loss.item(), 4), "train_accepted": round(run, 3),
+                          "seconds": round(time.time() - t0, 1)})
+            log(f"drafter step {step}/{steps} loss {loss.item():.3f} accepted~{run:.2f}")
+    return curve

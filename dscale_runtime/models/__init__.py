@@ -1,0 +1,1 @@
+"""Qwen3 target and DFlash drafter models and their checkpoint loader."""

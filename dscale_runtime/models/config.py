@@ -1,0 +1,169 @@
+"""Model configurations parsed from Hugging Face `config.json` files (Qwen3 target, DFlash drafter).
+
+Only the fields the runtime needs are kept; anything the runtime cannot honour (sliding windows, RoPE
+scaling other than the default) is refused with an error naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder, config file or weight file that the runtime cannot load as given."""
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """Shape and numerics of a Qwen3 decoder stack (target model or DFlash draft layers)."""
+
+    hidden_size: int
+    """Model width d."""
+    intermediate_size: int
+    """MLP inner width."""
+    num_hidden_layers: int
+    """Decoder layers."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (GQA groups = num_attention_heads / num_key_value_heads)."""
+    head_dim: int
+    """Per-head width."""
+    vocab_size: int
+    """Rows of the embedding and the LM head."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix (no `lm_head.weight` in the checkpoint)."""
+    attention_bias: bool = False
+    """q/k/v/o projections carry a bias."""
+    max_position_embeddings: int = 40960
+    """Longest context the model was configured for."""
+    eos_token_id: tuple[int, ...] = ()
+    """End-of-sequence token ids from the config (may be empty)."""
+    torch_dtype: str = "bfloat16"
+    """Dtype the checkpoint was saved in."""
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """A DFlash drafter: Qwen3 draft layers plus the block and context-fusion settings."""
+
+    layers: Qwen3Config
+    """Shape of the draft decoder layers (no embedding or LM head of their own)."""
+    block_size: int
+    """Slots per block W: anchor + (W - 1) mask positions."""
+    mask_token_id: int
+    """Token id that fills the W - 1 draft positions of a block."""
+    target_layer_ids: tuple[int, ...]
+    """Target layers whose outputs are concatenated into the context features."""
+    num_target_layers: int
+    """Number of layers of the target the drafter was trained against."""
+
+
+def read_config_json(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no config.json in the checkpoint folder {folder}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in cfg:
+        raise CheckpointError(f"{path}: missing required key '{key}'")
+    return cfg[key]
+
+
+def _rope_theta(cfg: dict[str, Any], path: Path) -> float:
+    # NOTE: transformers >= 5 writes `rope_parameters`; older files write `rope_theta` + `rope_scaling`.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    for key, block in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind not in ("default", None):
+            raise CheckpointError(f"{path}: '{key}' of type '{kind}' is not supported (only default RoPE)")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def parse_qwen3_layers(cfg: dict[str, Any], path: Path) -> Qwen3Config:
+    if cfg.get("use_sliding_window"):
+        raise CheckpointError(f"{path}: 'use_sliding_window' is true; sliding-window attention is not supported")
+    hidden = int(_require(cfg, "hidden_size", path))
+    heads = int(_require(cfg, "num_attention_heads", path))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise CheckpointError(f"{path}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    eos = cfg.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=int(_require(cfg, "intermediate_size", path)),
+        num_hidden_layers=int(_require(cfg, "num_hidden_layers", path)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(cfg.get("vocab_size", 0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg, path),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+        eos_token_id=eos_ids,
+        torch_dtype=str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16"))),
+    )
+
+
+def load_target_config(folder: str | Path) -> Qwen3Config:
+    folder = Path(folder)
+    cfg = read_config_json(folder)
+    path = folder / "config.json"
+    archs = cfg.get("architectures") or []
+    if archs and "Qwen3ForCausalLM" not in archs:
+        raise CheckpointError(f"{path}: unknown target architecture {archs}; expected ['Qwen3ForCausalLM']")
+    if not archs and cfg.get("model_type") != "qwen3":
+        raise CheckpointError(f"{path}: neither 'architectures' nor model_type 'qwen3' identifies a Qwen3 target")
+    layers = parse_qwen3_layers(cfg, path)
+    if layers.vocab_size <= 0:
+        raise CheckpointError(f"{path}: missing required key 'vocab_size'")
+    return layers
+
+
+def load_drafter_config(folder: str | Path) -> DFlashConfig:
+    folder = Path(folder)
+    cfg = read_config_json(folder)
+    path = folder / "config.json"
+    archs = cfg.get("architectures") or []
+    if "DFlashDraftModel" not in archs:
+        raise CheckpointError(f"{path}: unknown drafter architecture {archs}; expected ['DFlashDraftModel']")
+    # NOTE: recent z-lab files nest these under `dflash_config`; older ones put them at the top level.
+    nested = cfg.get("dflash_config") or {}
+
+    def pick(key: str) -> Any:
+        if key in nested:
+            return nested[key]
+        if key in cfg:
+            return cfg[key]
+        raise CheckpointError(f"{path}: missing '{key}' (looked in 'dflash_config' and at the top level)")
+
+    layers = parse_qwen3_layers(cfg, path)
+    target_ids = tuple(int(i) for i in pick("target_layer_ids"))
+    if not target_ids:
+        raise CheckpointError(f"{path}: 'target_layer_ids' is empty")
+    block_size = int(nested.get("block_size", cfg.get("block_size", 16)))
+    if block_size < 2:
+        raise CheckpointError(f"{path}: 'block_size' must be >= 2, got {block_size}")
+    return DFlashConfig(
+        layers=layers,
+        block_size=block_size,
+        mask_token_id=int(pick("mask_token_id")),
+        target_layer_ids=target_ids,
+        num_target_layers=int(nested.get("num_target_layers", cfg.get("num_target_layers", max(target_ids) + 1))),
+    )

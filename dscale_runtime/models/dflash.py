@@ -1,0 +1,57 @@
+"""DFlash block-diffusion drafter (z-lab `DFlashDraftModel` parameter names) over its own paged cache.
+
+Context: the outputs of the target layers `target_layer_ids`, concatenated, go through
+`hidden_norm(fc(.))`; every draft layer projects that fused context with its own k/v projections
+(k_norm, RoPE at the context positions) into the drafter cache, which holds context K/V only.
+Block: the anchor plus W - 1 mask tokens, embedded with the target's embedding; the block attends
+bidirectionally to [context + block]; draft logits at positions 1..W-1 come from the target's LM head.
+The block's own K/V are written to the cache slots after the context and are never read again: the next
+context injection overwrites them (the committed drafter length bounds what attention may read).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dscale_runtime.attention import AttentionMetadata
+from dscale_runtime.models.config import DFlashConfig
+from dscale_runtime.models.layers import KVLayerCache, Qwen3DecoderLayer, RMSNorm
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        d = cfg.layers.hidden_size
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg.layers) for _ in range(cfg.layers.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, cfg.layers.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.layers.rms_norm_eps)
+
+    def fuse_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Concatenated target layer outputs [T, L_t * d] -> fused context [T, d]."""
+        return self.hidden_norm(self.fc(target_features))
+
+    def inject_context(
+        self,
+        target_features: torch.Tensor,  # [T, L_t * d]
+        positions: torch.Tensor,  # [T]
+        slots: torch.Tensor,  # [T]
+        caches: list[KVLayerCache],
+    ) -> None:
+        """Write the context K/V of T verified rows into every draft layer's cache."""
+        fused = self.fuse_context(target_features)
+        for layer, cache in zip(self.layers, caches):
+            layer.self_attn.write_kv(fused, positions, slots, cache)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [N * W, d], target embedding of anchor + mask tokens
+        meta: AttentionMetadata,  # causal=False, kv_lens = context + W
+        caches: list[KVLayerCache],
+    ) -> torch.Tensor:  # [N * W, d], final-normed hidden states of every block slot
+        x = block_embeds
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, meta, cache)
+        return self.norm(x)

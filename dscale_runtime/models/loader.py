@@ -1,0 +1,160 @@
+"""Checkpoint loading: `config.json` + `model.safetensors`, or shards listed in `model.safetensors.index.json`.
+
+Every error names the file and the key to fix: missing or unexpected weights, shape mismatches, unknown
+architectures, a drafter whose width or `fc` input does not match the target.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from dscale_runtime.models.config import (
+    CheckpointError,
+    DFlashConfig,
+    Qwen3Config,
+    load_drafter_config,
+    load_target_config,
+)
+from dscale_runtime.models.dflash import DFlashDraftModel
+from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({exc})") from exc
+        owners = {}
+        for key, shard in weight_map.items():
+            path = folder / shard
+            if not path.is_file():
+                raise CheckpointError(f"{index}: key '{key}' points to missing shard {path}")
+            owners[key] = path
+        return owners
+    single = folder / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{folder}: no {SINGLE_FILE} and no {INDEX_FILE}")
+    with safe_open(single, framework="pt") as f:
+        return {key: single for key in f.keys()}
+
+
+def read_tensors(owners: dict[str, Path]) -> dict[str, tuple[torch.Tensor, Path]]:
+    by_file: dict[Path, list[str]] = {}
+    for key, path in owners.items():
+        by_file.setdefault(path, []).append(key)
+    tensors = {}
+    for path, keys in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            present = set(f.keys())
+            for key in keys:
+                if key not in present:
+                    raise CheckpointError(f"{path}: key '{key}' is listed in the index but not in the file")
+                tensors[key] = (f.get_tensor(key), path)
+    return tensors
+
+
+def _assign(
+    model: nn.Module,
+    tensors: dict[str, tuple[torch.Tensor, Path]],
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    optional: set[str] = frozenset(),
+) -> None:
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    missing = sorted(k for k in expected if k not in tensors and k not in optional)
+    if missing:
+        raise CheckpointError(f"{folder}: missing weight(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    unexpected = sorted(k for k in tensors if k not in expected)
+    if unexpected:
+        key = unexpected[0]
+        raise CheckpointError(f"{tensors[key][1]}: unexpected weight '{key}' ({len(unexpected)} unexpected in all)")
+    state = {}
+    for key, param in expected.items():
+        if key not in tensors:
+            continue
+        tensor, path = tensors[key]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{path}: weight '{key}' has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}"
+            )
+        state[key] = nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)
+    for key, value in state.items():
+        owner_name, _, leaf = key.rpartition(".")
+        setattr(model.get_submodule(owner_name), leaf, value)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"dtype '{dtype}' is not one of {sorted(table)}")
+    return table[dtype]
+
+
+def load_target(folder: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu") -> Qwen3ForCausalLM:
+    folder = Path(folder)
+    cfg = load_target_config(folder)
+    tensors = read_tensors(weight_files(folder))
+    if cfg.tie_word_embeddings:
+        # NOTE: tied checkpoints normally omit lm_head.weight; a copy, if present, is ignored.
+        tensors.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    _assign(model, tensors, folder, resolve_dtype(dtype), torch.device(device), optional)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def check_pair(target: Qwen3Config, drafter: DFlashConfig, folder: Path) -> None:
+    path = folder / "config.json"
+    if drafter.layers.hidden_size != target.hidden_size:
+        raise CheckpointError(
+            f"{path}: 'hidden_size' {drafter.layers.hidden_size} does not match the target's {target.hidden_size}"
+        )
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        raise CheckpointError(
+            f"{path}: 'target_layer_ids' {bad} out of range for a target of {target.num_hidden_layers} layers"
+        )
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        raise CheckpointError(
+            f"{path}: 'mask_token_id' {drafter.mask_token_id} is outside the target vocabulary ({target.vocab_size})"
+        )
+
+
+def load_drafter(
+    folder: str | Path, target: Qwen3Config, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+) -> DFlashDraftModel:
+    folder = Path(folder)
+    cfg = load_drafter_config(folder)
+    check_pair(target, cfg, folder)
+    raw = read_tensors(weight_files(folder))
+    # NOTE: some exports prefix every key with `model.`; strip it once, consistently.
+    tensors = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in raw.items()}
+    fc = tensors.get("fc.weight")
+    want = len(cfg.target_layer_ids) * target.hidden_size
+    if fc is not None and fc[0].ndim == 2 and fc[0].shape[1] != want:
+        raise CheckpointError(
+            f"{fc[1]}: weight 'fc.weight' takes {fc[0].shape[1]} inputs, but {len(cfg.target_layer_ids)} target "
+            f"layers x hidden {target.hidden_size} = {want}"
+        )
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    _assign(model, tensors, folder, resolve_dtype(dtype), torch.device(device))
+    return model.eval()

@@ -1,0 +1,60 @@
+"""Qwen3 target model (`Qwen3ForCausalLM` parameter names) over the paged KV cache.
+
+One forward takes T packed rows of N ragged requests (prefill chunks, verification blocks, decode rows),
+writes their K/V, and returns the logits of the rows asked for plus the outputs of the target layers the
+DFlash drafter fuses into its context (`hidden_states[layer_id + 1]` in transformers' numbering).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dscale_runtime.attention import AttentionMetadata
+from dscale_runtime.models.config import Qwen3Config
+from dscale_runtime.models.layers import KVLayerCache, Qwen3DecoderLayer, RMSNorm
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [R, d] -> fp32 logits [R, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        caches: list[KVLayerCache],
+        logits_rows: torch.Tensor | None = None,  # [R] row indices whose logits are wanted (None: all)
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (logits [R, vocab] fp32, features [T, len(capture_layers) * d] or None)."""
+        x = self.embed(token_ids)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, meta, caches[i])
+            if i in capture_layers:
+                captured[i] = x
+        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.compute_logits(self.model.norm(x)), features

@@ -1,0 +1,129 @@
+"""Continuous-batching scheduler: request state, admission under the KV-cache bound, preemption, release.
+
+CPU-only policy (no tensors): each step it grows the pages of running requests so they can hold one more
+verification block, preempting the most recently admitted requests when the cache is full (they return
+to the front of the queue and are recomputed later), then admits waiting requests while both the
+running-request limit and the free pages allow. Finished or aborted requests free their pages at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from dscale_runtime.config import RequestStats, SamplingParams
+from dscale_runtime.kv_cache import PageAllocator
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Tokens whose target K/V and drafter context are in the cache (all but the pending anchor)."""
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_text_end: int | None = None
+    """Where the output text ends when a stop string ended the request."""
+    generator: torch.Generator | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    recent_accepted: list[int] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def needs_prefill(self) -> bool:
+        """True until the cache holds every token but the last (the anchor of the next block)."""
+        return self.num_computed < self.num_tokens - 1 or not self.output_token_ids
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, max_running: int, lookahead: int) -> None:
+        self.allocator = allocator
+        self.max_running = max_running
+        self.lookahead = lookahead
+        """Cache slots a request needs beyond its computed tokens for one step (the block width W)."""
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, request: Request) -> int:
+        tokens = max(request.num_computed, request.num_tokens - 1) + self.lookahead
+        return max(0, self.allocator.pages_for(tokens) - len(request.pages))
+
+    def _grow(self, request: Request) -> bool:
+        pages = self.allocator.allocate(self._pages_needed(request))
+        if pages is None:
+            return False
+        request.pages.extend(pages)
+        return True
+
+    def schedule(self) -> tuple[list[Request], list[Request]]:
+        """Returns (requests to prefill now, running requests to decode now).
+
+        Requests admitted in this call are prefilled this step and decode from the next one on."""
+        # Running requests first: each needs room for one more block.
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # preempted below while serving an earlier request
+            while not self._grow(request):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            if not self._grow(request):
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            admitted.append(request)
+        return admitted, [r for r in self.running if r not in admitted]
+
+    def _preempt(self, request: Request) -> None:
+        self.num_preemptions += 1
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed = 0
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        if request.pages:
+            self.allocator.free(request.pages)
+            request.pages = []
+
+    def finish(self, request: Request, reason: str) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason

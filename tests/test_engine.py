@@ -1,0 +1,232 @@
+"""Engine tests: DFlash (and later DScale) decoding must reproduce target-only decoding exactly.
+
+Oracle: `mode="target"` greedy decoding of the same checkpoints. Random drafters are almost never
+accepted, so a drafter stand-in that proposes the target's own greedy continuation with injected errors
+makes every accepted length 0..W-1 occur.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from checkpoints import write_drafter, write_target
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.engine import Engine
+
+MAX_LEN = 160
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    write_target(root / "target", tokenizer=True)
+    write_drafter(root / "drafter")
+    return root / "target", root / "drafter"
+
+
+def make_engine(pair, mode="dflash", **kwargs) -> Engine:
+    cfg = EngineConfig(mode=mode, max_model_len=MAX_LEN, **kwargs)
+    return Engine.from_pretrained(pair[0], pair[1] if mode != "target" else None, config=cfg)
+
+
+def prompt_set(n=36, seed=0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(94) for _ in range(rng.choice([1, 2, 5, 17, 33, 60, 90]))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(8, 48)) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="session")
+def reference(pair):
+    """Target-only greedy outputs; every 4th request also gets a stop string cut from its own output."""
+    prompts, params = prompt_set()
+    target = make_engine(pair, "target", max_running_requests=32)
+    first = target.generate(prompts, params)
+    for i in range(0, len(prompts), 4):
+        text = first[i].text
+        if len(text) > 6:
+            params[i] = SamplingParams(temperature=0, max_tokens=params[i].max_tokens, stop=(text[3:5],))
+    outputs = make_engine(pair, "target", max_running_requests=32).generate(prompts, params)
+    assert any(o.finish_reason == "stop" for o in outputs[::4]), "the stop strings must fire in the reference"
+    return prompts, params, outputs
+
+
+def assert_same(outputs, reference_outputs):
+    for got, want in zip(outputs, reference_outputs, strict=True):
+        assert got.token_ids == want.token_ids, f"request {got.request_id} diverged"
+        assert got.text == want.text
+        assert got.finish_reason == want.finish_reason
+
+
+@pytest.mark.parametrize("max_running", [1, 4, 32])
+def test_dflash_greedy_equals_target_greedy(pair, reference, max_running):
+    prompts, params, want = reference
+    engine = make_engine(pair, max_running_requests=max_running)
+    outputs = engine.generate(prompts, params)
+    assert_same(outputs, want)
+    assert engine.allocator.num_free == engine.allocator.num_pages - 1, "all pages return to the pool"
+    for out in outputs:
+        assert out.stats.verify_lens and set(out.stats.verify_lens) == {16}
+
+
+def test_requests_arriving_while_others_run(pair, reference):
+    prompts, params, want = reference
+    engine = make_engine(pair, max_running_requests=8)
+    done, pending = {}, list(range(len(prompts)))
+    while pending or engine.has_unfinished():
+        for _ in range(min(len(pending), 3)):  # a few arrivals before every step
+            i = pending.pop(0)
+            engine.add_request(prompts[i], params[i], request_id=str(i))
+        for out in engine.step():
+            done[int(out.request_id)] = out
+    assert_same([done[i] for i in range(len(prompts))], want)
+
+
+class OracleDraftEngine(Engine):
+    """Drafts the target's own greedy continuation, corrupted at a random slot (or not at all)."""
+
+    def __init__(self, *args, continuations, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.continuations = continuations  # request id -> target greedy output, long enough
+        self.rng = random.Random(0)
+
+    def _draft(self, requests, ctx):
+        w = self.block_size
+        rows = []
+        for r in requests:
+            done = len(r.output_token_ids)
+            proposal = self.continuations[r.request_id][done : done + w - 1]
+            proposal += [0] * (w - 1 - len(proposal))  # past the reference's end (max_model_len)
+            error_at = self.rng.randrange(w)  # slot 1..w-1 gets a wrong token; 0 means none
+            if error_at:
+                proposal[error_at - 1] = (proposal[error_at - 1] + 1) % 94
+            rows.append([r.all_token_ids[-1]] + proposal)
+        return self._tensor(rows)
+
+
+def test_oracle_drafts_cover_every_accepted_length(pair):
+    prompts, _ = prompt_set(24, seed=3)
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    continuations = make_engine(pair, "target").generate(prompts, long)
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * len(prompts)
+    want = make_engine(pair, "target").generate(prompts, params)
+    base = make_engine(pair, max_running_requests=6)
+    engine = OracleDraftEngine(base.target, base.drafter, base.config, base.tokenizer, base.eos_token_ids,
+                               continuations={str(i): o.token_ids for i, o in enumerate(continuations)})
+    outputs = engine.generate(prompts, params)
+    assert_same(outputs, want)
+    seen = collections.Counter(a for o in outputs for a in o.stats.accepted_lens)
+    assert set(seen) == set(range(16)), f"accepted lengths seen: {sorted(seen)}"
+    assert engine.counters.accepted_drafts > 0
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    write_target(root / "target", vocab=8, hidden=32, seed=5)
+    write_drafter(root / "drafter", vocab=8, mask_token_id=7, seed=6)
+    return root / "target", root / "drafter"
+
+
+def first_tokens(pair, mode, params, n=2400, seed=0):
+    cfg = EngineConfig(mode=mode, max_model_len=32, max_running_requests=256, seed=seed)
+    engine = Engine.from_pretrained(pair[0], pair[1] if mode != "target" else None, config=cfg)
+    outs = engine.generate([[1, 2, 3, 4]] * n, params)
+    return collections.Counter(tuple(o.token_ids[:3]) for o in outs), engine
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_dflash_sampling_matches_target_distribution(small_vocab_pair, top_p):
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=3)
+    want, _ = first_tokens(small_vocab_pair, "target", params, seed=1)
+    got, engine = first_tokens(small_vocab_pair, "dflash", params, seed=2)
+    assert engine.counters.accepted_drafts > 200, "drafts must be accepted often for the test to mean anything"
+    assert 0 < engine.counters.accepted_drafts < engine.counters.request_steps * 15
+    cells = sorted(set(want) | set(got))
+    table = [[want[c] for c in cells], [got[c] for c in cells]]
+    # Pool rare sequences so every cell has a usable expected count.
+    rare = [i for i, c in enumerate(cells) if table[0][i] + table[1][i] < 20]
+    keep = [i for i in range(len(cells)) if i not in rare]
+    pooled = [[row[i] for i in keep] + [sum(row[i] for i in rare)] for row in table]
+    if pooled[0][-1] + pooled[1][-1] == 0:
+        pooled = [row[:-1] for row in pooled]
+    assert len(pooled[0]) >= 5, "the distribution must have some spread"
+    _, p_value, _, _ = chi2_contingency(pooled)
+    assert p_value > 0.01, f"dflash sampling differs from target sampling (p={p_value:.4g})"
+
+
+def test_seeded_requests_reproduce_whatever_the_batch(small_vocab_pair):
+    cfg = EngineConfig(mode="dflash", max_model_len=32, max_running_requests=8)
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234)
+    alone = Engine.from_pretrained(*small_vocab_pair, config=cfg).generate([[1, 2, 3]], seeded)[0]
+    crowd = Engine.from_pretrained(*small_vocab_pair, config=cfg).generate(
+        [[3, 2, 1]] * 5 + [[1, 2, 3]], [SamplingParams(temperature=1.0, max_tokens=12)] * 5 + [seeded])[-1]
+    assert alone.token_ids == crowd.token_ids
+
+
+def test_cache_smaller_than_demand_queues_preempts_and_empties(pair, reference):
+    prompts, params, want = reference
+    # Room for about three full-length requests while 16 may run: requests wait and get preempted.
+    engine = make_engine(pair, max_running_requests=16, kv_cache_tokens=3 * (MAX_LEN + 16))
+    outputs = engine.generate(prompts, params)
+    assert_same(outputs, want)
+    assert engine.scheduler.num_preemptions > 0 or max(len(p) for p in prompts) < 0
+    assert engine.allocator.num_free == engine.allocator.num_pages - 1
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_abort_frees_pages(pair):
+    engine = make_engine(pair, max_running_requests=4)
+    ids = [engine.add_request([5, 6, 7] * 10, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+           for _ in range(3)]
+    engine.step()
+    engine.step()
+    assert engine.allocator.num_free < engine.allocator.num_pages - 1
+    for i in ids:
+        engine.abort(i)
+    assert engine.allocator.num_free == engine.allocator.num_pages - 1
+    assert not engine.has_unfinished()
+
+
+def test_generate_64_prompts_reports_acceptance_and_steps(pair):
+    prompts, params = prompt_set(64, seed=7)
+    engine = make_engine(pair, max_running_requests=16)
+    outputs = engine.generate(prompts, params)
+    assert len(outputs) == 64
+    for out in outputs:
+        stats = out.stats
+        assert stats.num_steps == len(stats.accepted_lens) >= (1 if len(out.token_ids) > 1 else 0)
+        if stats.accepted_lens:
+            assert stats.mean_acceptance_length == pytest.approx(1 + sum(stats.accepted_lens) / stats.num_steps)
+    assert engine.counters.steps > 0 and engine.counters.request_steps >= sum(o.stats.num_steps for o in outputs)
+    assert max(s for s in (engine.last_step.num_live,)) <= 16
+
+
+def test_bad_requests_raise_clear_errors(pair):
+    engine = make_engine(pair)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request([1] * MAX_LEN)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match=r"\[0, 96\)"):
+        engine.add_request([1000])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        make_engine(pair, kv_cache_tokens=10)
+    with pytest.raises(ValueError, match="mode"):
+        EngineConfig(mode="medusa")
+
+
+def test_string_prompts_use_the_target_tokenizer(pair):
+    engine = make_engine(pair, "target")
+    by_text = engine.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8))[0]
+    by_ids = engine.generate([engine.tokenizer.encode("def f(x):", add_special_tokens=False)],
+                             SamplingParams(temperature=0, max_tokens=8))[0]
+    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.text == engine.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
