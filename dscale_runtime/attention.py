@@ -44,29 +44,26 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Metadata for requests whose `query_lens[i]` new rows start at position `ctx_lens[i]`."""
     assert len(query_lens) == len(ctx_lens) == len(block_tables)
-    row_req, row_local, positions, slots = [], [], [], []
-    for i, (q_len, ctx) in enumerate(zip(query_lens, ctx_lens)):
-        table = block_tables[i]
-        for j in range(q_len):
-            pos = ctx + j
-            assert pos // page_size < len(table), "request has too few cache pages for its rows"
-            row_req.append(i)
-            row_local.append(j)
-            positions.append(pos)
-            slots.append(table[pos // page_size] * page_size + pos % page_size)
     max_pages = max((len(t) for t in block_tables), default=1) or 1
-    tables = torch.zeros(len(block_tables), max_pages, dtype=torch.long)
-    for i, table in enumerate(block_tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-    kv_lens = [c + q for c, q in zip(ctx_lens, query_lens)]
-    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    tables = torch.tensor([t + [0] * (max_pages - len(t)) for t in block_tables], dtype=torch.long, device=device)
+    q = torch.tensor(query_lens, dtype=torch.long, device=device)
+    ctx = torch.tensor(ctx_lens, dtype=torch.long, device=device)
+    num_rows = sum(query_lens)
+    row_req = torch.repeat_interleave(torch.arange(len(query_lens), device=device), q, output_size=num_rows)
+    starts = torch.cumsum(q, 0) - q
+    row_local = torch.arange(num_rows, device=device) - starts[row_req]
+    positions = ctx[row_req] + row_local
+    assert all(c + n <= len(t) * page_size for c, n, t in zip(ctx_lens, query_lens, block_tables)), \
+        "request has too few cache pages for its rows"
+    slots = tables[row_req, positions // page_size] * page_size + positions % page_size
+    kv_lens = [c + n for c, n in zip(ctx_lens, query_lens)]
     return AttentionMetadata(
-        row_req=as_tensor(row_req),
-        row_local=as_tensor(row_local),
-        positions=as_tensor(positions),
-        slot_mapping=as_tensor(slots),
-        kv_lens=as_tensor(kv_lens),
-        block_tables=tables.to(device),
+        row_req=row_req,
+        row_local=row_local,
+        positions=positions,
+        slot_mapping=slots,
+        kv_lens=ctx + q,
+        block_tables=tables,
         max_q=max(query_lens, default=1),
         max_kv=max(kv_lens, default=1),
         causal=causal,

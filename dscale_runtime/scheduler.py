@@ -88,13 +88,14 @@ class Scheduler:
         Requests admitted in this call are prefilled this step and decode from the next one on."""
         # Running requests first: each needs room for one more block.
         for request in list(self.running):
-            if request not in self.running:
+            if request.status is not Status.RUNNING:
                 continue  # preempted below while serving an earlier request
             while not self._grow(request):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
                     break
+        num_decoding = len(self.running)
         admitted = []
         while self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]
@@ -104,7 +105,7 @@ class Scheduler:
             request.status = Status.RUNNING
             self.running.append(request)
             admitted.append(request)
-        return admitted, [r for r in self.running if r not in admitted]
+        return admitted, self.running[:num_decoding]
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1

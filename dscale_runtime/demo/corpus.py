@@ -49,36 +49,58 @@ def read_text(path: Path) -> str | None:
         return None
 
 
+def documented_functions(source: str):
+    """(first line, docstring end line, name) of every function with a docstring and a body, in walk order."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not ast.get_docstring(node):
+            continue
+        doc = node.body[0]
+        if len(node.body) < 2 or doc.end_lineno is None:
+            continue  # a docstring-only function has no body to write
+        yield min([node.lineno] + [d.lineno for d in node.decorator_list]), doc.end_lineno, node.name
+
+
 def function_prompts(files: list[Path], root: Path | None = None, max_prompts: int = 256,
                      max_chars: int = 1200) -> list[dict]:
-    """Prompts `def name(args):` + docstring (dedented) from functions with docstrings, in file order."""
+    """Prompts `def name(args):` + docstring (dedented) from functions with docstrings, in file order.
+
+    NOTE: the prompt stops right after the closing quotes, without the newline: byte-level BPE merges a
+    newline with the indentation that follows, so a bare trailing newline would tell the model "no indent"."""
     root = root or stdlib_root()
     prompts = []
     for path in files:
         source = read_text(path)
         if source is None:
             continue
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
         lines = source.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not ast.get_docstring(node):
-                continue
-            doc = node.body[0]
-            if len(node.body) < 2 or doc.end_lineno is None:
-                continue  # a docstring-only function has no body to write
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            text = textwrap.dedent("".join(lines[start - 1 : doc.end_lineno]))
+        for start, end, name in documented_functions(source):
+            text = textwrap.dedent("".join(lines[start - 1 : end])).rstrip("\n")
             if len(text) > max_chars:
                 continue
             rel = path.relative_to(root).as_posix()
-            prompts.append({"id": f"stdlib/{rel}:{node.lineno}:{node.name}", "dataset": "stdlib-heldout",
-                            "prompt": text})
+            prompts.append({"id": f"stdlib/{rel}:{start}:{name}", "dataset": "stdlib-heldout", "prompt": text})
             if len(prompts) >= max_prompts:
                 return prompts
     return prompts
+
+
+def docstring_contexts(files: list[Path], max_chars: int = 4000) -> list[str]:
+    """File text up to the closing quotes of each documented function's docstring (training prompts shaped
+    like the evaluation prompts, with the file's preceding text as extra context)."""
+    contexts = []
+    for path in files:
+        source = read_text(path)
+        if source is None:
+            continue
+        lines = source.splitlines(keepends=True)
+        for _, end, _ in documented_functions(source):
+            upto = "".join(lines[:end]).rstrip("\n")
+            contexts.append(upto[-max_chars:])
+    return contexts
 
 
 def corpus_text(files: list[Path], eos: str) -> str:

@@ -212,16 +212,25 @@ def draft_train_forward(
 
 
 @torch.no_grad()
-def target_features(hf_target, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """Outputs of the target layers `layer_ids` ([B, S, len(layer_ids) * d]), transformers numbering + 1."""
+def target_features(hf_target, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(outputs of the target layers `layer_ids` [B, S, len(layer_ids) * d], greedy next tokens [B, S])."""
     out = hf_target(tokens, output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), out.logits.argmax(-1)
 
 
-def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, *, prompt_len: int, steps: int,
-                  batch: int, blocks_per_seq: int, lr: float, device: torch.device, seed: int, log,
-                  decay: float = 7.0) -> list[dict]:
-    """sequences [num, S]: a corpus window of prompt_len tokens followed by the target's greedy continuation."""
+def _anchors(batch: int, count: int, low: int, high: int, gen: torch.Generator) -> torch.Tensor:
+    """`count` distinct sorted anchor positions in [low, high] per row."""
+    picks = torch.stack([torch.randperm(high - low + 1, generator=gen)[:count] for _ in range(batch)])
+    return (picks + low).sort(dim=1).values
+
+
+def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, corpus: np.ndarray, *,
+                  prompt_len: int, steps: int, batch: int, blocks_per_seq: int, lr: float, device: torch.device,
+                  seed: int, log, decay: float = 7.0) -> list[dict]:
+    """Half of every batch: `sequences` [num, S] (a corpus window of prompt_len tokens + the target's greedy
+    continuation; anchors inside the continuation). Other half: corpus windows with teacher-forced target
+    predictions as labels, kept only on the prefix where the corpus agrees with the target's greedy choice,
+    so every label used is exactly the target's greedy continuation from that anchor."""
     gen = torch.Generator().manual_seed(seed)
     cfg = drafter.config
     w = cfg.block_size
@@ -234,31 +243,67 @@ def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor,
     # NOTE: early positions decide the accepted prefix, so they weigh more (exponential decay over j).
     weights = torch.exp(-torch.arange(w - 1, device=device, dtype=torch.float32) / decay)
     s = sequences.shape[1]
-    low, high = prompt_len - 1, s - w  # anchors whose W-1 labels are all greedy continuation tokens
+    half = batch // 2
+    offsets = torch.arange(1, w, device=device)
     curve, t0 = [], time.time()
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, max(1, steps // 20))
-        rows = torch.randint(0, sequences.shape[0], (batch,), generator=gen)
-        tokens = sequences[rows].to(device)
-        anchors = torch.stack([torch.randperm(high - low + 1, generator=gen)[:blocks_per_seq] for _ in range(batch)])
-        anchors = (anchors + low).sort(dim=1).values.to(device)
-        labels = tokens.gather(1, (anchors[:, :, None] + torch.arange(1, w, device=device)).reshape(batch, -1))
+        greedy_rows = sequences[torch.randint(0, sequences.shape[0], (half,), generator=gen)]
+        corpus_rows = random_windows(corpus, batch - half, s, gen)
+        tokens = torch.cat([greedy_rows, corpus_rows]).to(device)
+        # Greedy rows: anchors whose W-1 labels all lie in the continuation. Corpus rows: any anchor with context.
+        anchors = torch.cat([_anchors(half, blocks_per_seq, prompt_len - 1, s - w, gen),
+                             _anchors(batch - half, blocks_per_seq, 1, s - w, gen)]).to(device)
         with autocast(device):
-            feats = target_features(hf_target, tokens, cfg.target_layer_ids)
+            feats, greedy_next = target_features(hf_target, tokens, cfg.target_layer_ids)
             hidden = draft_train_forward(drafter, embed, feats, tokens, anchors)
             logits = lm_head(hidden).float()  # [B, nb, W-1, V]
+        label_pos = anchors[:, :, None] + offsets  # [B, nb, W-1] positions the drafts stand for
+        corpus_labels = greedy_next.gather(1, (label_pos - 1).reshape(batch, -1)).view_as(label_pos)
+        written = tokens.gather(1, label_pos.reshape(batch, -1)).view_as(label_pos)
+        # A teacher-forced label at slot j is the greedy continuation iff slots 1..j-1 agreed with the corpus.
+        agree = (written == corpus_labels).long()
+        valid = torch.cat([torch.ones_like(agree[..., :1]), agree[..., :-1].cumprod(-1)], dim=-1).bool()
+        is_greedy = (torch.arange(batch, device=device) < half)[:, None, None]
+        labels = torch.where(is_greedy, written, corpus_labels)
+        valid = valid | is_greedy
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        loss = (ce.view(batch, blocks_per_seq, w - 1) * weights).sum(-1).mean() / weights.sum()
+        weighted = ce.view_as(labels) * weights * valid
+        loss = weighted.sum() / (weights * valid).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         if step % max(1, steps // 20) == 0 or step == steps - 1:
             with torch.no_grad():
-                hit = (logits.argmax(-1) == labels.view(batch, blocks_per_seq, w - 1)).float()
-                run = hit.cumprod(-1).sum(-1).mean().item()  # accepted drafts if verified against these labels
+                hit = (logits[:half].argmax(-1) == labels[:half]).float()
+                run = hit.cumprod(-1).sum(-1).mean().item()  # accepted drafts on the greedy half
             curve.append({"step": step, "loss": round(loss.item(), 4), "train_accepted": round(run, 3),
                           "seconds": round(time.time() - t0, 1)})
             log(f"drafter step {step}/{steps} loss {loss.item():.3f} accepted~{run:.2f}")
     return curve
+
+
+@torch.no_grad()
+def held_out_acceptance(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, *, prompt_len: int,
+                        device: torch.device, blocks_per_seq: int = 8) -> float:
+    """Mean accepted drafts on greedy sequences the drafter never trained on (teacher-forced blocks)."""
+    drafter.eval()
+    w = drafter.config.block_size
+    s = sequences.shape[1]
+    gen = torch.Generator().manual_seed(1234)
+    total, count = 0.0, 0
+    for start in range(0, sequences.shape[0], 64):
+        tokens = sequences[start : start + 64].to(device)
+        anchors = _anchors(tokens.shape[0], blocks_per_seq, prompt_len - 1, s - w, gen).to(device)
+        with autocast(device):
+            feats, _ = target_features(hf_target, tokens, drafter.config.target_layer_ids)
+            logits = hf_target.get_output_embeddings()(draft_train_forward(
+                drafter, hf_target.get_input_embeddings(), feats, tokens, anchors))
+        labels = tokens.gather(1, (anchors[:, :, None] + torch.arange(1, w, device=device)).reshape(
+            tokens.shape[0], -1)).view(tokens.shape[0], blocks_per_seq, w - 1)
+        total += (logits.argmax(-1) == labels).float().cumprod(-1).sum().item()
+        count += labels.shape[0] * labels.shape[1]
+    drafter.train()
+    return total / max(count, 1)
