@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MODES = ("target", "dflash")
+MODES = ("target", "dflash", "dscale")
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class EngineConfig:
 
     mode: str = "dflash"
     """'target': target-only decoding (the reference); 'dflash': full-width DFlash verification of all
-    `block_size` slots."""
+    `block_size` slots; 'dscale': DVL compact verification of M = budget_ratio x W x N rows, prefix lengths
+    chosen by the acceptance predictor (needs `predictor=PATH`)."""
     max_running_requests: int = 32
     """Most requests decoded together (continuous batching); more wait in the queue."""
     max_model_len: int = 4096
@@ -36,6 +37,11 @@ class EngineConfig:
     for `max_running_requests` full-length requests. Requests that do not fit wait in the queue."""
     seed: int = 0
     """Seed of the engine's random stream for requests that carry no seed of their own."""
+    budget_ratio: float = 0.5
+    """DScale verification budget as a share of full width: M_live = round(budget_ratio x W x N_live)."""
+    measure_retention: bool = False
+    """DScale only: also run full-width verification each step to measure retention (costs a second
+    target forward; for analysis, not serving)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -48,6 +54,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.page_size must be >= 1, got {self.page_size}")
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"EngineConfig.block_size must be >= 2, got {self.block_size}")
+        if not 0 < self.budget_ratio <= 1:
+            raise ValueError(f"EngineConfig.budget_ratio must be in (0, 1], got {self.budget_ratio}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"EngineConfig.kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
 

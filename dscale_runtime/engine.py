@@ -18,6 +18,10 @@ import torch
 
 from dscale_runtime.attention import build_metadata
 from dscale_runtime.config import EngineConfig, RequestOutput, SamplingParams
+from dscale_runtime.dvl.allocate import allocate, budget_rows
+from dscale_runtime.dvl.features import FeatureSpec, acceptance_features, context_features
+from dscale_runtime.dvl.pack import flat_pack, packed_metadata
+from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity, seed_lengths
 from dscale_runtime.kv_cache import PageAllocator, PagedKVCache
 from dscale_runtime.models.dflash import DFlashDraftModel
 from dscale_runtime.models.loader import load_drafter, load_target, resolve_dtype
@@ -41,6 +45,16 @@ class StepStats:
     """Verified slots per request, anchor included."""
     num_verify_rows: int
     """Rows of the verification forward (M)."""
+    full_accepted: list[int] | None = None
+    """Accepted drafts under full-width verification (only with EngineConfig.measure_retention)."""
+
+    @property
+    def retention(self) -> float | None:
+        """sum_i min(y_i, k_i - 1) / sum_i y_i (DESIGN 3.7); None when not measured or nothing to retain."""
+        if self.full_accepted is None or not sum(self.full_accepted):
+            return None
+        kept = sum(min(y, k - 1) for y, k in zip(self.full_accepted, self.verify_lens))
+        return kept / sum(self.full_accepted)
 
 
 @dataclass
@@ -53,6 +67,8 @@ class EngineCounters:
     accepted_drafts: int = 0
     request_steps: int = 0
     verify_rows: int = 0
+    retained_drafts: int = 0
+    full_width_drafts: int = 0
     history: list[StepStats] = field(default_factory=list)
 
 
@@ -86,6 +102,8 @@ class Engine:
         tokenizer=None,
         eos_token_ids: set[int] | None = None,
         keep_history: bool = False,
+        predictor: AcceptancePredictor | None = None,
+        hidden_projection: torch.Tensor | None = None,
     ) -> None:
         self.config = config
         self.target = target
@@ -106,6 +124,18 @@ class Engine:
                     f"EngineConfig.block_size={config.block_size} differs from the drafter's block_size {native}"
                 )
         self.capture_layers = tuple(drafter.config.target_layer_ids) if drafter is not None and config.mode != "target" else ()
+        self.predictor = predictor
+        self.feature_spec = predictor.spec if predictor is not None else FeatureSpec(num_positions=self.block_size - 1)
+        self.hidden_projection = hidden_projection
+        if config.mode == "dscale":
+            if predictor is None or hidden_projection is None:
+                raise ValueError("EngineConfig.mode='dscale' needs an acceptance predictor: pass predictor=PATH "
+                                 "(an artifact from dscale-train)")
+            if predictor.spec.num_positions != self.block_size - 1:
+                raise ValueError(f"the predictor scores {predictor.spec.num_positions} draft positions, the drafter "
+                                 f"block has {self.block_size - 1}")
+            self.predictor = predictor.to(self.device).eval()
+            self.hidden_projection = hidden_projection.to(self.device)
         lookahead = self.block_size
         cache_tokens = config.kv_cache_tokens or config.max_running_requests * (config.max_model_len + lookahead)
         if cache_tokens < config.max_model_len + lookahead:
@@ -144,8 +174,8 @@ class Engine:
     ) -> "Engine":
         """Load a Qwen3 target folder and (for speculative modes) a DFlash drafter folder."""
         config = config or EngineConfig()
-        if predictor is not None:
-            raise ValueError("a predictor is only used by mode='dscale', which this engine version does not offer")
+        if predictor is not None and config.mode != "dscale":
+            raise ValueError(f"a predictor is only used by mode='dscale' (EngineConfig.mode is '{config.mode}')")
         dtype = resolve_dtype(config.dtype) if config.dtype != "auto" else (
             torch.bfloat16 if torch.device(config.device).type == "cuda" else torch.float32)
         target_path = Path(target)
@@ -156,6 +186,11 @@ class Engine:
                 raise ValueError(f"EngineConfig.mode='{config.mode}' needs a drafter checkpoint: pass drafter=PATH")
             drafter_model = load_drafter(Path(drafter), target_model.config, dtype, config.device)
         tokenizer = load_tokenizer(target_path)
+        if config.mode == "dscale":
+            if predictor is None:
+                raise ValueError("EngineConfig.mode='dscale' needs predictor=PATH (an artifact from dscale-train)")
+            identity = pair_identity(target_model.config, drafter_model.config)
+            kwargs["predictor"], kwargs["hidden_projection"] = load_predictor(predictor, identity, device=config.device)
         return cls(target_model, drafter_model, config, tokenizer, read_eos_ids(target_path, tokenizer), **kwargs)
 
     # ------------------------------------------------------------------ public API
@@ -232,19 +267,14 @@ class Engine:
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _sampling_batch(self, requests: list[Request], rows_per_request: list[int]) -> SamplingBatch:
-        temps, top_k, top_p, gens = [], [], [], []
-        for request, rows in zip(requests, rows_per_request):
-            p = request.params
-            temps += [p.temperature or 1.0] * rows
-            top_k += [p.top_k] * rows
-            top_p += [p.top_p] * rows
-            gens += [request.generator] * rows
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        """Per-request policy parameters (gather them per row with `.rows(row_req)`)."""
+        ps = [r.params for r in requests]
         return SamplingBatch(
-            torch.tensor(temps, dtype=torch.float32, device=self.device),
-            self._tensor(top_k),
-            torch.tensor(top_p, dtype=torch.float32, device=self.device),
-            gens,
+            torch.tensor([p.temperature or 1.0 for p in ps], dtype=torch.float32, device=self.device),
+            self._tensor([p.top_k for p in ps]),
+            torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=self.device),
+            any(p.top_k > 0 or p.top_p < 1 for p in ps),
         )
 
     def _first_tokens(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -253,7 +283,7 @@ class Engine:
         if sampled:
             rows = self._tensor(sampled)
             subset = [requests[i] for i in sampled]
-            probs = policy_probs(logits[rows], self._sampling_batch(subset, [1] * len(subset)))
+            probs = policy_probs(logits[rows], self._sampling_batch(subset))
             tokens[rows] = sample(probs, [r.generator for r in subset], self._generator)
         return tokens.tolist()
 
@@ -279,25 +309,28 @@ class Engine:
                     finished.append(requests[i])
         return finished
 
-    def _draft(self, requests: list[Request], ctx: list[int]) -> torch.Tensor:
-        """One drafter forward over N blocks -> draft tokens [N, W] (slot 0 = anchor)."""
+    def _draft(self, requests: list[Request], ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One drafter forward over N blocks -> (draft tokens [N, W] with slot 0 = anchor,
+        draft logits [N, W-1, V], drafter hidden states [N, W-1, d] at the draft positions)."""
         n, w = len(requests), self.block_size
         block = torch.full((n, w), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
         block[:, 0] = self._tensor([r.all_token_ids[-1] for r in requests])
         meta = build_metadata([w] * n, ctx, [r.pages for r in requests], self.config.page_size, self.device,
                               causal=False)
         hidden = self.drafter(self.target.embed(block.view(-1)), meta, self.drafter_cache.layers)
-        draft_logits = self.target.compute_logits(hidden.view(n, w, -1)[:, 1:])  # [N, W-1, V]
+        hidden = hidden.view(n, w, -1)[:, 1:]
+        draft_logits = self.target.compute_logits(hidden)  # [N, W-1, V]
         block[:, 1:] = draft_logits.argmax(dim=-1)
-        return block
+        return block, draft_logits, hidden
 
     def _verify(self, logits: torch.Tensor, draft_tokens: torch.Tensor, verify_lens: torch.Tensor,
-                verify_offsets: torch.Tensor, requests: list[Request], lens: list[int]):
+                verify_offsets: torch.Tensor, row_req: torch.Tensor, requests: list[Request]):
+        """Accepted drafts [N] and successors [N] on the packed layout (row_req [M]: request of each row)."""
         accepted, successor = accept_greedy(logits.argmax(dim=-1), draft_tokens, verify_lens, verify_offsets)
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if sampled:
-            batch = self._sampling_batch(requests, lens)
-            probs = policy_probs(logits, batch)
+            batch = self._sampling_batch(requests)
+            probs = policy_probs(logits, batch.rows(row_req.clamp(max=len(requests) - 1)))
             gens = [r.generator for r in requests]
             coins = uniforms(len(requests), draft_tokens.shape[1] - 1, gens, self._generator, self.device)
             s_acc, s_succ = accept_sampling(probs, draft_tokens, verify_lens, verify_offsets, coins,
@@ -308,44 +341,83 @@ class Engine:
             successor = torch.where(is_sampled, s_succ, successor)
         return accepted, successor
 
+    def _features(self, requests: list[Request], ctx: list[int], draft_logits: torch.Tensor,
+                  draft_hidden: torch.Tensor) -> torch.Tensor:
+        """The shared acceptance features [N, spec.width] of this step's drafts."""
+        if self.hidden_projection is None:
+            from dscale_runtime.dvl.features import hidden_projection
+
+            self.hidden_projection = hidden_projection(self.feature_spec, draft_hidden.shape[-1]).to(self.device)
+        context = context_features(self.feature_spec, len(requests), ctx, [r.stats.num_steps for r in requests],
+                                   [r.stats.accepted_lens for r in requests], self.device)
+        return acceptance_features(self.feature_spec, draft_logits, draft_hidden, self.hidden_projection, context)
+
+    def _decide(self, features: torch.Tensor, num_live: int) -> tuple[torch.Tensor, int]:
+        """DVL decision: predictor scores -> seeds -> Algorithm 1 -> verify lengths k [N] and M_live."""
+        scores = self.predictor.scores(features)
+        seeds = seed_lengths(scores, self.block_size)
+        rows = budget_rows(num_live, self.block_size, self.config.budget_ratio)
+        live = torch.ones(num_live, dtype=torch.bool, device=self.device)
+        return allocate(scores, seeds, live, rows), rows
+
     def _decode(self, requests: list[Request]) -> list[Request]:
-        n, w = len(requests), self.block_size
+        n, w, mode = len(requests), self.block_size, self.config.mode
         ctx = [r.num_computed for r in requests]
-        if self.config.mode == "target":
+        tables = [r.pages for r in requests]
+        if mode == "target":
             draft_tokens = self._tensor([[r.all_token_ids[-1]] for r in requests])
         else:
-            draft_tokens = self._draft(requests, ctx)
-        lens = [w] * n
-        verify_lens = self._tensor(lens)
-        verify_offsets = self._tensor([i * w for i in range(n)])
-        meta = build_metadata(lens, ctx, [r.pages for r in requests], self.config.page_size, self.device,
-                              causal=True)
-        logits, features = self.target(draft_tokens.view(-1), meta, self.target_cache.layers, None,
-                                       self.capture_layers)
-        accepted, successor = self._verify(logits, draft_tokens, verify_lens, verify_offsets, requests, lens)
+            draft_tokens, draft_logits, draft_hidden = self._draft(requests, ctx)
+        full_meta = build_metadata([w] * n, ctx, tables, self.config.page_size, self.device, causal=True)
+        full_accepted = None
+        if mode == "dscale":
+            if self.config.measure_retention:
+                # Full-width verification first, only to measure what DVL keeps (writes the same K/V values).
+                logits, _ = self.target(draft_tokens.view(-1), full_meta, self.target_cache.layers)
+                full_accepted, _ = accept_greedy(logits.argmax(-1), draft_tokens, self._tensor([w] * n),
+                                                 self._tensor([i * w for i in range(n)]))
+            verify_lens, rows = self._decide(self._features(requests, ctx, draft_logits, draft_hidden), n)
+            ctx_t = full_meta.kv_lens - w
+            packed = flat_pack(verify_lens, draft_tokens, ctx_t, full_meta.block_tables, rows, self.config.page_size)
+            meta = packed_metadata(packed, ctx_t, full_meta.block_tables, full_meta.max_kv, w)
+            verify_offsets, token_ids, row_req = packed.verify_offsets, packed.token_ids, packed.row_req
+        else:
+            meta = full_meta
+            verify_lens = self._tensor([w] * n)
+            verify_offsets = self._tensor([i * w for i in range(n)])
+            token_ids, row_req, rows = draft_tokens.view(-1), full_meta.row_req, n * w
+        logits, features = self.target(token_ids, meta, self.target_cache.layers, None, self.capture_layers)
+        accepted, successor = self._verify(logits, draft_tokens, verify_lens, verify_offsets, row_req, requests)
+        # NOTE: the one host synchronisation of the step: the commit needs the accepted lengths.
         accepted_l, successor_l, drafts_l = accepted.tolist(), successor.tolist(), draft_tokens.tolist()
+        lens_l, offsets_l = verify_lens.tolist(), verify_offsets.tolist()
         if features is not None:
-            rows = self._tensor([o + j for o, a in zip(verify_offsets.tolist(), accepted_l) for j in range(a + 1)])
-            self.drafter.inject_context(features[rows], meta.positions[rows], meta.slot_mapping[rows],
+            inject = self._tensor([o + j for o, a in zip(offsets_l, accepted_l) for j in range(a + 1)])
+            self.drafter.inject_context(features[inject], meta.positions[inject], meta.slot_mapping[inject],
                                         self.drafter_cache.layers)
         finished = []
-        for request, a, succ, drafts, k in zip(requests, accepted_l, successor_l, drafts_l, lens):
+        for request, a, succ, drafts, k in zip(requests, accepted_l, successor_l, drafts_l, lens_l):
             request.num_computed += a + 1
             request.stats.num_steps += 1
             request.stats.accepted_lens.append(a)
             request.stats.verify_lens.append(k)
             if self._commit(request, drafts[1 : a + 1] + [succ]):
                 finished.append(request)
-        self._record(requests, accepted_l, lens, sum(lens))
+        self._record(requests, accepted_l, lens_l, rows, full_accepted.tolist() if full_accepted is not None else None)
         return finished
 
-    def _record(self, requests: list[Request], accepted: list[int], lens: list[int], rows: int) -> None:
+    def _record(self, requests: list[Request], accepted: list[int], lens: list[int], rows: int,
+                full_accepted: list[int] | None = None) -> None:
         c = self.counters
         c.steps += 1
         c.request_steps += len(requests)
         c.accepted_drafts += sum(accepted)
         c.verify_rows += rows
-        self.last_step = StepStats(c.steps, len(requests), [r.request_id for r in requests], accepted, lens, rows)
+        self.last_step = StepStats(c.steps, len(requests), [r.request_id for r in requests], accepted, lens, rows,
+                                   full_accepted)
+        if full_accepted is not None:
+            c.full_width_drafts += sum(full_accepted)
+            c.retained_drafts += sum(min(y, k - 1) for y, k in zip(full_accepted, lens))
         if self.keep_history:
             c.history.append(self.last_step)
 

@@ -13,16 +13,16 @@ import torch
 
 @dataclass
 class SamplingBatch:
-    """Policy parameters broadcast to rows; one entry per row of the logits they apply to."""
+    """Policy parameters of R rows (requests, or verification rows via `rows`)."""
 
     temperature: torch.Tensor  # [R] float32, > 0 for every row that samples (greedy rows are ignored)
     top_k: torch.Tensor  # [R] int64, <= 0 means off
     top_p: torch.Tensor  # [R] float32, 1 means off
-    generators: list[torch.Generator | None]  # [R] per-row stream (None: the shared default)
+    needs_sort: bool  # some row uses top-k or top-p (decided on the host, no device read)
 
-    @property
-    def needs_sort(self) -> bool:
-        return bool(((self.top_k > 0).any() | (self.top_p < 1).any()).item())
+    def rows(self, index: torch.Tensor) -> "SamplingBatch":
+        """The same parameters gathered for rows that belong to requests `index` [M]."""
+        return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index], self.needs_sort)
 
 
 def policy_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -75,9 +75,9 @@ def test_tiny_recipe_end_to_end(tiny_pair):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out, report = tiny_pair
-    for key in ("data", "target", "drafter", "eval"):
+    for key in ("data", "target", "drafter", "eval_cpu"):
         assert key in report
-    assert json.loads((out / "build_report.json").read_text())["eval"]["steps"] == report["eval"]["steps"]
+    assert json.loads((out / "build_report.json").read_text())["eval_cpu"]["steps"] == report["eval_cpu"]["steps"]
     tok = AutoTokenizer.from_pretrained(out / "target")
     assert tok.decode(tok.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
     assert tok.convert_tokens_to_ids("<|mask|>") == json.loads((out / "drafter/config.json").read_text())[

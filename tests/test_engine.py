@@ -106,7 +106,12 @@ class OracleDraftEngine(Engine):
             if error_at:
                 proposal[error_at - 1] = (proposal[error_at - 1] + 1) % 94
             rows.append([r.all_token_ids[-1]] + proposal)
-        return self._tensor(rows)
+        block = self._tensor(rows)
+        vocab, hidden = self.target.config.vocab_size, self.target.config.hidden_size
+        # Per-slot confidence drawn at random, so features (and a predictor reading them) vary between requests.
+        scale = torch.tensor([[self.rng.uniform(0.5, 8.0) for _ in range(w - 1)] for _ in requests])
+        logits = torch.nn.functional.one_hot(block[:, 1:], vocab).float() * scale[..., None]
+        return block, logits, torch.zeros(len(requests), w - 1, hidden, device=self.device)
 
 
 def test_oracle_drafts_cover_every_accepted_length(pair):

@@ -224,6 +224,7 @@ def stage_eval(r: DemoRecipe, out: Path, report: dict) -> None:
     from dscale_runtime.demo.prompts import load_prompt_file
 
     device = r.eval_device or r.device
+    key = f"eval_{torch.device(device).type}"
     prompts = load_prompt_file(out / "prompts.jsonl")[: r.eval_prompts]
     cfg = EngineConfig(mode="dflash", max_running_requests=64, device=device, dtype="float32", max_model_len=1024)
     engine = Engine.from_pretrained(out / "target", out / "drafter", config=cfg)
@@ -234,8 +235,8 @@ def stage_eval(r: DemoRecipe, out: Path, report: dict) -> None:
     accepted = [a for o in outputs for a in o.stats.accepted_lens]
     hist = Counter(accepted)
     w = engine.block_size
-    report["eval"] = {
-        "device": device, "prompts": len(prompts), "new_tokens": r.eval_new_tokens, "steps": len(accepted),
+    report[key] = {
+        "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else f"cpu ({platform.processor() or platform.machine()})", "prompts": len(prompts), "new_tokens": r.eval_new_tokens, "steps": len(accepted),
         "mean_acceptance_length": round(1 + sum(accepted) / len(accepted), 3),
         "accepted_histogram": {str(k): hist.get(k, 0) for k in range(w)},
         "max_share": round(max(hist.values()) / len(accepted), 3),
@@ -244,8 +245,72 @@ def stage_eval(r: DemoRecipe, out: Path, report: dict) -> None:
         "samples": [{"prompt": prompts[i]["prompt"], "completion": outputs[i].text} for i in (0, 7, 21)
                     if i < len(outputs)],
     }
-    _log(f"eval: mean acceptance length {report['eval']['mean_acceptance_length']}, "
-         f"max share {report['eval']['max_share']}")
+    _log(f"eval: mean acceptance length {report[key]['mean_acceptance_length']}, max share {report[key]['max_share']}")
+    (out / "README.md").write_text(render_readme(report, out))
+
+
+def render_readme(report: dict, out: Path) -> str:
+    """The artifacts README, written from the measured figures of the build report."""
+    r, data, tgt, dft = report["recipe"], report.get("data", {}), report.get("target", {}), report.get("drafter", {})
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "work" not in p.parts)
+    lines = [
+        "# Demo pair: a small Python code model and its DFlash drafter",
+        "",
+        "Built by this repository's recipe from the Python standard library's source, so every machine can",
+        "rebuild it. Written by `python -m dscale_runtime.demo.build` from `build_report.json`.",
+        "",
+        "## How it was built",
+        "",
+        "```bash",
+        "python -m dscale_runtime.demo.build --config configs/demo_build.yaml",
+        "```",
+        "",
+        f"- data: stdlib of Python {data.get('python')} ({data.get('train_files')} train files, "
+        f"{data.get('heldout_files')} held-out modules by path hash), {data.get('train_tokens')} train tokens, "
+        f"{data.get('heldout_tokens')} held-out tokens; byte-level BPE, vocabulary {data.get('vocab_size')} "
+        "with `<|endoftext|>` and the DFlash mask `<|mask|>`.",
+        f"- target: Qwen3 architecture, {r['num_layers']} layers, hidden {r['hidden_size']}, {r['num_heads']} query / "
+        f"{r['num_kv_heads']} KV heads, tied embeddings, {tgt.get('parameters')} parameters; {r['target_steps']} steps of "
+        f"{r['target_batch']} x {r['seq_len']} tokens in {tgt.get('train_seconds')} s on {tgt.get('device')}.",
+        f"- drafter: DFlash (z-lab layout), {r['drafter_layers']} layers, block {r['block_size']}, context from target "
+        f"layers {list(r['target_layer_ids'])}, {dft.get('parameters')} parameters; target frozen, embedding and LM "
+        f"head shared. Trained on {dft.get('greedy_sequences', ['?'])[0]} greedy target continuations "
+        f"({r['gen_prompt_len']} prompt + {r['gen_new_tokens']} greedy tokens, generated in "
+        f"{dft.get('generate_seconds')} s) and teacher-forced corpus windows, {r['drafter_steps']} steps in "
+        f"{dft.get('train_seconds')} s.",
+        f"- files: {size / 1e6:.1f} MB in all, weights in bf16.",
+        "",
+        "## Figures",
+        "",
+        f"- target held-out perplexity: {tgt.get('heldout_perplexity')}",
+        f"- drafter on {dft.get('heldout_sequences')} held-out greedy sequences (train-module windows): "
+        f"{dft.get('heldout_accepted')} accepted drafts per block",
+    ]
+    for key in ("eval_cpu", "eval_cuda"):
+        e = report.get(key)
+        if not e:
+            continue
+        lines += [
+            "",
+            f"### Full-width DFlash greedy on {e['prompts']} held-out prompts x {e['new_tokens']} tokens ({e['device']}, fp32)",
+            "",
+            f"- mean acceptance length (accepted drafts + 1): **{e['mean_acceptance_length']}** over {e['steps']} steps",
+            f"- largest share of one accepted count: {e['max_share']}",
+            "- accepted-draft histogram: " + ", ".join(f"{k}: {v}" for k, v in e["accepted_histogram"].items()),
+            "- per-position acceptance P(accepted >= j), j = 1..15: " + ", ".join(map(str, e["per_position_acceptance"])),
+        ]
+    speed = out / "cpu_speed.json"
+    if speed.is_file():
+        sp = json.loads(speed.read_text())
+        lines += ["", f"### CPU decoding speed, batch 1 ({sp['command']})", "",
+                  f"- {sp['device']}, {sp['date']}: target-only {sp['target_tokens_per_s']} tok/s, DFlash "
+                  f"{sp['dflash_tokens_per_s']} tok/s, speedup **{sp['speedup']}x** (median of {sp['repeats']})"]
+    samples = (report.get("eval_cpu") or report.get("eval_cuda") or {}).get("samples", [])
+    if samples:
+        lines += ["", "## Greedy samples (prompt, then the target's completion)", ""]
+        for s in samples:
+            lines += ["```python", s["prompt"] + s["completion"], "```", ""]
+    return "\n".join(lines) + "\n"
 
 
 def build(recipe: DemoRecipe) -> dict:

@@ -1,0 +1,133 @@
+"""The acceptance predictor at inference: module, artifact format and loading, scores and seeds.
+
+An artifact is data (`torch.load(weights_only=True)`): weights, feature normalisation, the feature spec,
+the hidden-state projection, and the identity of the target/drafter pair it was trained for. Loading
+checks all of it and names what does not match. Scores are sigmoid outputs made non-increasing along the
+draft positions by a cumulative minimum; seeds are k0 = 1 + round(sum_j s_j), clipped to [1, W].
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dscale_runtime.dvl.features import FEATURE_VERSION, FeatureSpec, hidden_projection
+from dscale_runtime.models.config import DFlashConfig, Qwen3Config
+
+ARTIFACT_FORMAT = "dscale-acceptance-predictor"
+ARTIFACT_VERSION = 1
+
+
+class PredictorError(ValueError):
+    """A predictor artifact that cannot be used with this runtime or this model pair."""
+
+
+class AcceptancePredictor(nn.Module):
+    """Normalised features -> MLP -> one logit per draft position (P(accepted >= j))."""
+
+    def __init__(self, spec: FeatureSpec, hidden_sizes: tuple[int, ...] = (240, 128)) -> None:
+        super().__init__()
+        self.spec = spec
+        self.hidden_sizes = tuple(hidden_sizes)
+        self.register_buffer("norm_mean", torch.zeros(spec.width))
+        self.register_buffer("norm_std", torch.ones(spec.width))
+        layers: list[nn.Module] = []
+        width = spec.width
+        for h in self.hidden_sizes:
+            layers += [nn.Linear(width, h), nn.GELU()]
+            width = h
+        layers.append(nn.Linear(width, spec.num_positions))
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features [N, width] -> raw logits [N, P] (training applies BCE to these)."""
+        x = (features.float() - self.norm_mean) / self.norm_std
+        return self.mlp(x)
+
+    def scores(self, features: torch.Tensor) -> torch.Tensor:
+        """Monotone acceptance scores s [N, P]: sigmoid, then cumulative minimum along the positions."""
+        return torch.sigmoid(self(features)).cummin(dim=-1).values
+
+
+def seed_lengths(scores: torch.Tensor, block_size: int) -> torch.Tensor:
+    """k0 = 1 + round(sum_j s_j), clipped to [1, W]; scores [N, W-1] -> [N] int64."""
+    # NOTE: floor(x + 0.5) rather than round-half-to-even, so equal sums give equal seeds on every device.
+    return (1 + torch.floor(scores.sum(-1) + 0.5)).clamp(1, block_size).long()
+
+
+def pair_identity(target: Qwen3Config, drafter: DFlashConfig) -> dict:
+    """What an artifact must agree on with the models it runs beside."""
+    return {
+        "target": {"hidden_size": target.hidden_size, "num_hidden_layers": target.num_hidden_layers,
+                   "vocab_size": target.vocab_size},
+        "drafter": {"hidden_size": drafter.layers.hidden_size, "num_hidden_layers": drafter.layers.num_hidden_layers,
+                    "block_size": drafter.block_size, "target_layer_ids": list(drafter.target_layer_ids),
+                    "mask_token_id": drafter.mask_token_id},
+    }
+
+
+def predictor_artifact(model: AcceptancePredictor, identity: dict, projection: torch.Tensor,
+                       metrics: dict | None = None, names: dict | None = None) -> dict:
+    """The artifact dict for `torch.save` (plain tensors, lists, numbers and strings only)."""
+    return {
+        "format": ARTIFACT_FORMAT,
+        "format_version": ARTIFACT_VERSION,
+        "feature_spec": model.spec.to_dict(),
+        "hidden_sizes": list(model.hidden_sizes),
+        "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "hidden_projection": projection.detach().cpu().float().clone(),
+        "identity": identity,
+        "names": names or {},
+        "metrics": metrics or {},
+    }
+
+
+def load_predictor(path: str | Path, identity: dict | None = None, spec: FeatureSpec | None = None,
+                   device: str | torch.device = "cpu") -> tuple[AcceptancePredictor, torch.Tensor]:
+    """Load and check an artifact; returns (predictor, hidden projection). `identity` is `pair_identity(...)`
+    of the models it will run with (None skips that check, e.g. for offline inspection)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PredictorError(f"{path}: no predictor artifact (train one with dscale-train, or pass --predictor)")
+    try:
+        art = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is not a safe artifact
+        raise PredictorError(f"{path}: not a loadable predictor artifact ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(art, dict) or art.get("format") != ARTIFACT_FORMAT:
+        raise PredictorError(f"{path}: not a DScale predictor artifact (missing format '{ARTIFACT_FORMAT}')")
+    if art.get("format_version") != ARTIFACT_VERSION:
+        raise PredictorError(f"{path}: artifact format_version {art.get('format_version')}, this runtime reads "
+                             f"{ARTIFACT_VERSION}")
+    want = spec or FeatureSpec()
+    try:
+        got = FeatureSpec.from_dict(art["feature_spec"])
+    except (KeyError, TypeError) as exc:
+        raise PredictorError(f"{path}: unreadable 'feature_spec' ({exc})") from exc
+    if got.version != FEATURE_VERSION:
+        raise PredictorError(f"{path}: feature spec version '{got.version}', this runtime computes '{FEATURE_VERSION}';"
+                             " retrain the predictor on traces collected with this version")
+    if got != want:
+        raise PredictorError(f"{path}: feature spec {got.to_dict()} differs from the runtime's {want.to_dict()}")
+    if identity is not None:
+        for part in ("target", "drafter"):
+            stored = art.get("identity", {}).get(part, {})
+            for key, value in identity[part].items():
+                if stored.get(key) != value:
+                    raise PredictorError(f"{path}: trained for a {part} with {key}={stored.get(key)}, but the "
+                                         f"loaded {part} has {key}={value}")
+    projection = art.get("hidden_projection")
+    d = identity["drafter"]["hidden_size"] if identity is not None else None
+    if not isinstance(projection, torch.Tensor) or projection.ndim != 2 or projection.shape[1] != got.hidden_proj_dim \
+            or (d is not None and projection.shape[0] != d):
+        raise PredictorError(f"{path}: 'hidden_projection' has shape "
+                             f"{getattr(projection, 'shape', None)}, expected [{d}, {got.hidden_proj_dim}]")
+    if not torch.equal(projection, hidden_projection(got, projection.shape[0])):
+        raise PredictorError(f"{path}: 'hidden_projection' is not the spec's seeded projection (tampered artifact)")
+    model = AcceptancePredictor(got, tuple(art.get("hidden_sizes", ())))
+    try:
+        model.load_state_dict(art["state_dict"], strict=True)
+    except (KeyError, RuntimeError) as exc:
+        raise PredictorError(f"{path}: weights do not fit the declared architecture ({exc})") from exc
+    return model.to(device).eval(), projection.to(device)

@@ -1,0 +1,156 @@
+"""DScale (DVL compact verification) in the engine: lossless against target-only decoding.
+
+Oracle: target-only greedy output (and sampling distribution). Predictors: untrained (random weights),
+constant, and all-ones; drafts: the random drafter and the oracle stand-in from test_engine.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from test_engine import (
+    MAX_LEN,
+    OracleDraftEngine,
+    assert_same,
+    first_tokens,
+    make_engine,
+    prompt_set,
+    pair,  # noqa: F401 - fixtures
+    reference,  # noqa: F401
+    small_vocab_pair,  # noqa: F401
+)
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
+from dscale_runtime.dvl.predictor import AcceptancePredictor, pair_identity, predictor_artifact
+from dscale_runtime.engine import Engine
+from dscale_runtime.models.config import load_drafter_config, load_target_config
+from scipy.stats import chi2_contingency
+
+
+def make_predictor(kind: str, seed: int = 0) -> AcceptancePredictor:
+    torch.manual_seed(seed)
+    spec = FeatureSpec()
+    model = AcceptancePredictor(spec)
+    if kind == "heuristic":
+        # Hand-set weights: logit_j = top1_logit_j - 3, routed through the MLP (a confidence heuristic).
+        first, second, last = model.mlp[0], model.mlp[2], model.mlp[4]
+        with torch.no_grad():
+            for layer in (first, second, last):
+                layer.weight.zero_()
+                layer.bias.zero_()
+            for j in range(spec.num_positions):
+                first.weight[j, j * spec.per_position] = 1.0
+                second.weight[j, j] = 1.0
+                last.weight[j, j] = 1.0
+            last.bias.fill_(-3.0)
+    elif kind != "untrained":
+        last = model.mlp[-1]
+        with torch.no_grad():
+            last.weight.zero_()
+            last.bias.fill_({"constant": -0.4, "ones": 100.0}[kind])  # sigmoid(-0.4) ~ 0.4; sigmoid(100) == 1
+    return model
+
+
+def save_predictor(folder, pair_paths, kind, seed=0):
+    tcfg, dcfg = load_target_config(pair_paths[0]), load_drafter_config(pair_paths[1])
+    model = make_predictor(kind, seed)
+    path = folder / f"{kind}-{seed}.pt"
+    torch.save(predictor_artifact(model, pair_identity(tcfg, dcfg), hidden_projection(model.spec, tcfg.hidden_size)),
+               path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def predictors(pair, tmp_path_factory):  # noqa: F811
+    folder = tmp_path_factory.mktemp("predictors")
+    return {"untrained": save_predictor(folder, pair, "untrained", 0),
+            "heuristic": save_predictor(folder, pair, "heuristic"),
+            "constant": save_predictor(folder, pair, "constant"),
+            "ones": save_predictor(folder, pair, "ones")}
+
+
+ENGINE_ARGS = ("keep_history", "continuations")
+
+
+def dscale_engine(pair_paths, predictor, cls=Engine, **kwargs):  # noqa: F811
+    extra = {k: kwargs.pop(k) for k in ENGINE_ARGS if k in kwargs}
+    cfg = EngineConfig(mode="dscale", max_model_len=MAX_LEN, **kwargs)
+    return cls.from_pretrained(pair_paths[0], pair_paths[1], predictor=predictor, config=cfg, **extra)
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("max_running", [1, 4, 32])
+def test_dscale_greedy_equals_target_greedy(pair, reference, predictors, ratio, max_running):  # noqa: F811
+    prompts, params, want = reference
+    kind = "untrained" if max_running != 4 else "constant"
+    engine = dscale_engine(pair, predictors[kind], budget_ratio=ratio, max_running_requests=max_running,
+                           keep_history=True)
+    outputs = engine.generate(prompts, params)
+    assert_same(outputs, want)
+    for step in engine.counters.history:
+        w = engine.block_size
+        assert step.num_verify_rows == max(step.num_live, min(int(ratio * w * step.num_live + 0.5), w * step.num_live))
+        assert sum(step.verify_lens) == step.num_verify_rows
+    assert engine.allocator.num_free == engine.allocator.num_pages - 1
+
+
+def test_dscale_with_oracle_drafts_is_lossless_and_retains(pair, predictors):  # noqa: F811
+    prompts, _ = prompt_set(16, seed=11)
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    continuations = make_engine(pair, "target").generate(prompts, long)
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * len(prompts)
+    want = make_engine(pair, "target").generate(prompts, params)
+    engine = dscale_engine(pair, predictors["heuristic"], cls=OracleDraftEngine, max_running_requests=8,
+                           measure_retention=True, keep_history=True,
+                           continuations={str(i): o.token_ids for i, o in enumerate(continuations)})
+    outputs = engine.generate(prompts, params)
+    assert_same(outputs, want)
+    lens = collections.Counter(k for step in engine.counters.history for k in step.verify_lens)
+    assert len(lens) > 3, f"the predictor must spread verify lengths, got {dict(lens)}"
+    for step in engine.counters.history:
+        # Greedy: compact verification keeps exactly the part of the full-width accepted run it verified.
+        assert step.accepted_lens == [min(y, k - 1) for y, k in zip(step.full_accepted, step.verify_lens)]
+    c = engine.counters
+    assert 0 < c.retained_drafts <= c.full_width_drafts
+
+
+def test_full_budget_and_certain_predictor_reproduce_dflash(pair, reference, predictors):  # noqa: F811
+    prompts, params, _ = reference
+    dflash = make_engine(pair, max_running_requests=8).generate(prompts, params)
+    dscale = dscale_engine(pair, predictors["ones"], budget_ratio=1.0, max_running_requests=8).generate(
+        prompts, params)
+    for a, b in zip(dflash, dscale, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.stats.accepted_lens == b.stats.accepted_lens
+        assert set(b.stats.verify_lens) == {16}
+
+
+def test_dscale_sampling_matches_target_distribution(small_vocab_pair, tmp_path):  # noqa: F811
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3)
+    want, _ = first_tokens(small_vocab_pair, "target", params, seed=1)
+    artifact = save_predictor(tmp_path, small_vocab_pair, "untrained", 3)
+    cfg = EngineConfig(mode="dscale", max_model_len=32, max_running_requests=256, seed=2, budget_ratio=0.5)
+    engine = Engine.from_pretrained(*small_vocab_pair, predictor=artifact, config=cfg)
+    outs = engine.generate([[1, 2, 3, 4]] * 2400, params)
+    got = collections.Counter(tuple(o.token_ids[:3]) for o in outs)
+    assert engine.counters.accepted_drafts > 100
+    cells = sorted(set(want) | set(got))
+    table = [[want[c] for c in cells], [got[c] for c in cells]]
+    rare = [i for i in range(len(cells)) if table[0][i] + table[1][i] < 20]
+    keep = [i for i in range(len(cells)) if i not in rare]
+    pooled = [[row[i] for i in keep] + [sum(row[i] for i in rare)] for row in table]
+    assert len(pooled[0]) >= 5
+    _, p_value, _, _ = chi2_contingency(pooled)
+    assert p_value > 0.01, f"dscale sampling differs from target sampling (p={p_value:.4g})"
+
+
+def test_dscale_needs_a_matching_predictor(pair, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match="predictor"):
+        Engine.from_pretrained(pair[0], pair[1], config=EngineConfig(mode="dscale"))
+    with pytest.raises(ValueError, match="only used by mode='dscale'"):
+        Engine.from_pretrained(pair[0], pair[1], predictor="x.pt", config=EngineConfig(mode="dflash"))
+    with pytest.raises(ValueError, match="budget_ratio"):
+        EngineConfig(mode="dscale", budget_ratio=0)
