@@ -1,0 +1,56 @@
+"""The shipped demo pair (artifacts/demo): loadable everywhere, small, and our engine equals transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.demo.prompts import DEMO_DIR, demo_prompts, humaneval_prompts, stdlib_prompts
+from dscale_runtime.engine import Engine
+from dscale_runtime.models.loader import load_drafter, load_target
+
+
+def test_artifacts_are_complete_and_small():
+    total = sum(p.stat().st_size for p in DEMO_DIR.rglob("*") if p.is_file())
+    assert total <= 40 * 2**20, f"artifacts/demo holds {total / 2**20:.1f} MiB"
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"):
+        assert (DEMO_DIR / "target" / name).is_file()
+    cfg = json.loads((DEMO_DIR / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and "dflash_config" in cfg
+    target = load_target(DEMO_DIR / "target", "float32")
+    drafter = load_drafter(DEMO_DIR / "drafter", target.config, "float32")
+    assert target.config.num_hidden_layers >= 4 and target.config.num_key_value_heads < target.config.num_attention_heads
+    assert drafter.config.block_size == 16 and target.config.vocab_size <= 8192
+
+
+def test_prompt_sets():
+    stdlib = stdlib_prompts()
+    assert len(stdlib) >= 128 and all(p["dataset"] == "stdlib-heldout" for p in stdlib)
+    assert all(p["prompt"].lstrip().startswith(("def ", "async def ", "@")) for p in stdlib)
+    assert len({p["id"] for p in stdlib}) == len(stdlib)
+    he = humaneval_prompts()
+    assert len(he) == 164 and he[0]["id"] == "HumanEval/0"
+    assert len(demo_prompts()) == len(stdlib) + 164
+
+
+def test_engine_greedy_equals_transformers_generate():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_DIR / "target", dtype=torch.float32).eval()
+    prompts = [p["prompt"] for p in stdlib_prompts()[:16]]
+    engine = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter",
+                                    config=EngineConfig(mode="dflash", max_running_requests=16, max_model_len=1024))
+    ours = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=64))
+    eos = set(engine.eos_token_ids)
+    for prompt, out in zip(prompts, ours):
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            gen = hf.generate(ids, max_new_tokens=64, do_sample=False, attention_mask=torch.ones_like(ids))
+        want = gen[0, ids.shape[1]:].tolist()
+        cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
+        assert out.token_ids == want[:cut]
+    assert engine.counters.accepted_drafts > 0
