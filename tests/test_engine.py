@@ -235,3 +235,30 @@ def test_string_prompts_use_the_target_tokenizer(pair):
                              SamplingParams(temperature=0, max_tokens=8))[0]
     assert by_text.token_ids == by_ids.token_ids
     assert by_text.text == engine.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
+
+
+def test_commit_stops_inside_an_accepted_run(pair):
+    """Stop rules apply token by token to the accepted drafts + successor: nothing past them is emitted."""
+    from dscale_runtime.scheduler import Request
+
+    engine = make_engine(pair)
+    eos = engine.tokenizer.convert_tokens_to_ids("<eos>")
+    cases = [
+        # (params, accepted drafts + successor, kept output, finish reason)
+        (SamplingParams(max_tokens=50), [5, 6, eos, 7, 8], [5, 6, eos], "stop"),
+        (SamplingParams(max_tokens=50, stop_token_ids=(6,)), [5, 6, 7], [5, 6], "stop"),
+        (SamplingParams(max_tokens=3), [5, 6, 7, 8, 9], [5, 6, 7], "length"),
+        (SamplingParams(max_tokens=50, ignore_eos=True), [5, eos, 7], [5, eos, 7], None),
+        # A stop string ends the output at the token completing it; the text is cut before the string.
+        (SamplingParams(max_tokens=50, stop=("CD",)), [33, 34, 35, 36, 37], [33, 34, 35, 36], "stop"),
+    ]
+    for params, new, kept, reason in cases:
+        request = Request("r", [1, 2, 3], params)
+        engine.scheduler.running.append(request)
+        finished = engine._commit(request, new)
+        assert request.output_token_ids == kept
+        assert finished == (reason is not None) and request.finish_reason == reason
+        if reason is None:
+            engine.scheduler.finish(request, "abort")
+    out = engine._output(Request("s", [1], SamplingParams(stop=("CD",)), output_token_ids=[33, 34, 35, 36]))
+    assert out.text == "AB"
