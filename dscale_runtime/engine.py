@@ -58,6 +58,22 @@ class StepStats:
 
 
 @dataclass
+class StepTrace:
+    """What a step observer receives after every speculative decode step (the trace collector's record)."""
+
+    request_ids: list[str]
+    decode_steps: list[int]
+    """Index of this step within each request's decoding (0 = first decode step after prefill)."""
+    context_lens: list[int]
+    """Committed tokens of each request when its block was drafted (the anchor's position)."""
+    num_live: int
+    features: torch.Tensor  # [N, spec.width] float32 on the CPU, from dscale_runtime.dvl.features
+    accepted_lens: list[int]
+    """Accepted drafts of each request in this step (full-width verification in dflash mode)."""
+    verify_lens: list[int]
+
+
+@dataclass
 class EngineCounters:
     """Running totals since the engine started."""
 
@@ -158,6 +174,9 @@ class Engine:
         self.counters = EngineCounters()
         self.keep_history = keep_history
         self.last_step: StepStats | None = None
+        self.step_observers: list = []
+        """Callables receiving a `StepTrace` after every speculative decode step (features are computed only
+        while at least one observer is registered, or in dscale mode)."""
         self._ids = itertools.count()
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(config.seed)
@@ -370,13 +389,17 @@ class Engine:
             draft_tokens, draft_logits, draft_hidden = self._draft(requests, ctx)
         full_meta = build_metadata([w] * n, ctx, tables, self.config.page_size, self.device, causal=True)
         full_accepted = None
+        features_in = None
+        if mode == "dscale" or (self.step_observers and mode != "target"):
+            features_in = self._features(requests, ctx, draft_logits, draft_hidden)
+        decode_steps = [r.stats.num_steps for r in requests]
         if mode == "dscale":
             if self.config.measure_retention:
                 # Full-width verification first, only to measure what DVL keeps (writes the same K/V values).
                 logits, _ = self.target(draft_tokens.view(-1), full_meta, self.target_cache.layers)
                 full_accepted, _ = accept_greedy(logits.argmax(-1), draft_tokens, self._tensor([w] * n),
                                                  self._tensor([i * w for i in range(n)]))
-            verify_lens, rows = self._decide(self._features(requests, ctx, draft_logits, draft_hidden), n)
+            verify_lens, rows = self._decide(features_in, n)
             ctx_t = full_meta.kv_lens - w
             packed = flat_pack(verify_lens, draft_tokens, ctx_t, full_meta.block_tables, rows, self.config.page_size)
             meta = packed_metadata(packed, ctx_t, full_meta.block_tables, full_meta.max_kv, w)
@@ -404,6 +427,11 @@ class Engine:
             if self._commit(request, drafts[1 : a + 1] + [succ]):
                 finished.append(request)
         self._record(requests, accepted_l, lens_l, rows, full_accepted.tolist() if full_accepted is not None else None)
+        if self.step_observers and features_in is not None:
+            trace = StepTrace([r.request_id for r in requests], decode_steps, ctx, n, features_in.float().cpu(),
+                              accepted_l, lens_l)
+            for observer in self.step_observers:
+                observer(trace)
         return finished
 
     def _record(self, requests: list[Request], accepted: list[int], lens: list[int], rows: int,

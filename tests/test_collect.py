@@ -1,0 +1,188 @@
+"""dscale-collect: configs, prompt sources offline, crash-and-resume, labels, and the trace dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from checkpoints import write_drafter, write_target
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.demo.prompts import DEMO_DIR
+from dscale_runtime.dvl.features import FeatureSpec
+from dscale_runtime.engine import Engine
+from trace_collection.collect import CollectConfig, collect
+from trace_collection.sources import CHOICES, DatasetSpec, SourceError, load_prompts
+from trace_collection.store import TraceFolderError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3-8b", "qwen3-4b"])
+def test_checked_in_configs_are_valid(name):
+    section = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())["collect"]
+    cfg = CollectConfig(**section)
+    assert all(d.name in CHOICES for d in cfg.datasets) and cfg.concurrency == [8, 16, 32]
+    if name != "demo":
+        assert {d.name for d in cfg.datasets} == {"gsm8k", "math500", "humaneval", "mbpp"}
+
+
+# ----------------------------------------------------------------------------------------------- sources
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+HUB_LAYOUTS = {  # the real datasets' columns, a few rows each
+    "gsm8k": [{"question": f"Q{i}: 3 + {i}?", "answer": f"#### {3 + i}"} for i in range(3)],
+    "math500": [{"problem": f"Solve x + {i} = 0", "solution": "...", "answer": f"{-i}", "subject": "Algebra",
+                 "level": 1, "unique_id": f"test/algebra/{i}.json"} for i in range(3)],
+    "humaneval": [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "canonical_solution": "  pass",
+                   "test": "", "entry_point": f"f{i}"} for i in range(3)],
+    "mbpp": [{"task_id": 11 + i, "text": f"Write a function number {i}.", "code": "", "test_list": []}
+             for i in range(3)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_LAYOUTS))
+def test_hub_datasets_from_local_copies(tmp_path, name):
+    folder = tmp_path / name
+    _write_jsonl(folder / "test.jsonl", HUB_LAYOUTS[name])
+    prompts = load_prompts(DatasetSpec(name, path=str(folder)))
+    text_field = {"gsm8k": "question", "math500": "problem", "humaneval": "prompt", "mbpp": "text"}[name]
+    assert [p["prompt"] for p in prompts] == [r[text_field] for r in HUB_LAYOUTS[name]]
+    assert len({p["id"] for p in prompts}) == 3 and all(p["id"].startswith(name + "/") for p in prompts)
+
+
+def test_local_files_package_and_demo_sources(tmp_path):
+    rows = [{"id": "a", "prompt": "x = 1"}, {"id": "b", "prompt": "y = 2"}]
+    jl = load_prompts(DatasetSpec("jsonl", path=str(_write_jsonl(tmp_path / "p.jsonl", rows)), label="mine"))
+    assert [p["id"] for p in jl] == ["mine/a", "mine/b"]
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist([{"key": 7, "text": "z = 3"}]), tmp_path / "p.parquet")
+    pa_rows = load_prompts(DatasetSpec("parquet", path=str(tmp_path / "p.parquet"), field="text", id_field="key"))
+    assert pa_rows == [{"id": "parquet/7", "dataset": "parquet", "prompt": "z = 3"}]
+    he = load_prompts(DatasetSpec("humaneval-pkg"))
+    assert len(he) == 164 and he[0]["id"] == "humaneval-pkg/HumanEval/0"
+    assert len(load_prompts(DatasetSpec("demo-stdlib"))) >= 128
+
+
+def test_source_errors_say_what_to_do(tmp_path, monkeypatch):
+    with pytest.raises(SourceError, match="choose one of gsm8k, math500"):
+        load_prompts(DatasetSpec("gsm9k"))
+    import datasets
+    import huggingface_hub
+
+    # The hub is unreachable here anyway; offline mode makes the failure immediate instead of a timeout.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    with pytest.raises(SourceError, match="pass a local copy"):
+        load_prompts(DatasetSpec("gsm8k"))
+    with pytest.raises(SourceError, match="no column 'prompt'"):
+        load_prompts(DatasetSpec("jsonl", path=str(_write_jsonl(tmp_path / "q.jsonl", [{"id": 1, "q": "?"}]))))
+
+
+# ----------------------------------------------------------------------------------------------- collection
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("collect")
+    write_target(root / "target", tokenizer=True)
+    write_drafter(root / "drafter")
+    rows = [{"id": f"p{i}", "prompt": "".join(chr(33 + (i * 7 + j) % 90) for j in range(5 + i % 9))}
+            for i in range(24)]
+    prompts = _write_jsonl(root / "prompts.jsonl", rows)
+    config = root / "tiny.yaml"
+    config.write_text(yaml.safe_dump({"collect": {
+        "target": str(root / "target"), "drafter": str(root / "drafter"), "output": str(root / "unused"),
+        "datasets": [{"name": "jsonl", "path": str(prompts), "label": "tiny"}], "concurrency": [2, 5],
+        "max_new_tokens": 40, "chunk_prompts": 3, "max_model_len": 160, "progress": False}}))
+    return root, config
+
+
+def _run(config: Path, output: Path, **popen) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trace_collection.collect", "--config", str(config), "--output", str(output)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def _records(folder: Path) -> list[dict]:
+    rows = []
+    for shard in sorted((folder / "shards").glob("*.parquet")):
+        rows += pq.read_table(shard).to_pylist()
+    return sorted(rows, key=lambda r: (r["concurrency"], r["prompt_id"], r["step"]))
+
+
+def test_sigkill_then_resume_equals_uninterrupted_run(tiny_setup):
+    root, config = tiny_setup
+    whole, crashed = root / "whole", root / "crashed"
+    assert _run(config, whole).wait(timeout=300) == 0
+    proc = _run(config, crashed)
+    deadline = time.time() + 120
+    while not list((crashed / "shards").glob("*.parquet")) and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    written = len(list((crashed / "shards").glob("*.parquet")))
+    total = len(list((whole / "shards").glob("*.parquet")))
+    assert 1 <= written < total, f"kill landed after {written} of {total} shards"
+    assert _run(config, crashed).wait(timeout=300) == 0
+    got, want = _records(crashed), _records(whole)
+    keys = [(r["prompt_id"], r["concurrency"], r["step"]) for r in got]
+    assert len(keys) == len(set(keys)), "a (prompt, concurrency, step) record appears twice"
+    assert got == want
+    manifest = json.loads((crashed / "manifest.json").read_text())
+    assert manifest["counts"]["records"] == len(want) and manifest["counts"]["shards"] == total
+    assert not list((crashed / "shards").glob(".*"))
+
+
+def test_folder_of_another_collection_is_refused(tiny_setup, tmp_path):
+    root, config = tiny_setup
+    out = tmp_path / "t"
+    section = yaml.safe_load(config.read_text())["collect"]
+    base = dict(section, output=str(out), concurrency=[2], max_new_tokens=8)
+    collect(CollectConfig(**base))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["feature_spec"]["version"] = "dscale-features-v0"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceFolderError, match="different 'feature_spec'"):
+        collect(CollectConfig(**base))
+    other = tmp_path / "drafter2"
+    write_drafter(other, seed=9)
+    collect(CollectConfig(**dict(base, output=str(tmp_path / "t2"))))
+    with pytest.raises(TraceFolderError, match="different 'models'"):
+        collect(CollectConfig(**dict(base, output=str(tmp_path / "t2"), drafter=str(other))))
+
+
+def test_demo_traces_load_and_labels_equal_engine(tmp_path):
+    from datasets import load_dataset
+
+    out = tmp_path / "demo"
+    cfg = CollectConfig(output=str(out), datasets=[DatasetSpec("demo-stdlib")], max_prompts=5, concurrency=[3],
+                        max_new_tokens=24, chunk_prompts=5, progress=False, max_model_len=1024)
+    manifest = collect(cfg)
+    data = load_dataset("parquet", data_files=str(out / "shards" / "*.parquet"), split="train")
+    spec = FeatureSpec()
+    assert manifest["feature_width"] == spec.width and manifest["feature_names"] == spec.names()
+    assert all(len(f) == spec.width for f in data["features"])
+    assert manifest["counts"]["records"] == len(data) > 0
+    # The same prompts at the same concurrency through the engine directly: identical accepted counts.
+    from trace_collection.sources import load_prompts as lp
+
+    prompts = lp(DatasetSpec("demo-stdlib"))[:5]
+    engine = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter",
+                                    config=EngineConfig(mode="dflash", max_running_requests=3, max_model_len=1024))
+    outs = engine.generate([p["prompt"] for p in prompts], SamplingParams(temperature=0, max_tokens=24))
+    rows = data.to_list()
+    for p, o in zip(prompts, outs):
+        labels = [r["accepted"] for r in sorted(rows, key=lambda r: r["step"]) if r["prompt_id"] == p["id"]]
+        assert labels == o.stats.accepted_lens
+    assert any(a > 0 for a in data["accepted"]), "the demo pair accepts drafts"

@@ -1,0 +1,222 @@
+"""`dscale-collect`: full-width DFlash over prompt sets at several concurrencies, logging every request-step.
+
+For each concurrency c, the prompts are cut into fixed chunks; each chunk is decoded by the engine with
+`max_running_requests = c` (requests join as others finish), and its records (features from the shared
+feature module, the accepted draft count as the label, ids) become one Parquet shard, written atomically.
+A rerun of the same command skips the shards that exist, so a crash loses at most the chunk in flight and
+duplicates nothing; decoding is deterministic, so the resumed dataset equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from trace_collection.sources import DatasetSpec, format_prompt, load_prompts
+from trace_collection.store import TraceStore, model_files
+
+# Fields that do not change the records: where they go and how progress is shown.
+NOT_IDENTITY = ("output", "progress", "log_records")
+
+
+@dataclass(frozen=True)
+class CollectConfig:
+    """A trace collection: models, prompt sources, concurrencies and decoding limits."""
+
+    target: str = "artifacts/demo/target"
+    """Target checkpoint folder (Qwen3, Hugging Face layout)."""
+    drafter: str = "artifacts/demo/drafter"
+    """DFlash drafter checkpoint folder (z-lab layout)."""
+    output: str = "traces/demo"
+    """Trace folder (created; rerunning the same command resumes it)."""
+    datasets: list[DatasetSpec] = field(default_factory=lambda: [DatasetSpec("demo-stdlib")])
+    """Prompt sources (see trace_collection.sources.DatasetSpec)."""
+    max_prompts: int | None = None
+    """Prompts per dataset (the first ones of each); None takes all."""
+    concurrency: list[int] = field(default_factory=lambda: [8, 16, 32])
+    """Concurrency levels (max running requests); every prompt is decoded once at each level."""
+    max_new_tokens: int = 128
+    """Generated tokens per request (at most)."""
+    temperature: float = 0.0
+    """0 is greedy (the paper's setting); > 0 samples with per-request seeds derived from `seed`."""
+    seed: int = 0
+    """Seed of the sampling streams and of the engine."""
+    chunk_prompts: int = 64
+    """Prompts per shard (the unit of resume)."""
+    chat_template: str = "auto"
+    """'auto' (apply the tokenizer's chat template, thinking disabled, when it has one), 'on' or 'off'."""
+    device: str = "cpu"
+    """Torch device."""
+    dtype: str = "auto"
+    """Model dtype ('auto': bf16 on CUDA, fp32 on CPU)."""
+    max_model_len: int = 4096
+    """Longest prompt + output; longer prompts are skipped with a warning."""
+    progress: bool = True
+    """Show a progress bar."""
+    log_records: bool = True
+    """Write records (False only measures the cost of logging: nothing is written)."""
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency must be a non-empty list of positive levels, got {self.concurrency}")
+        if self.chunk_prompts < 1:
+            raise ValueError(f"chunk_prompts must be >= 1, got {self.chunk_prompts}")
+        if self.chat_template not in ("auto", "on", "off"):
+            raise ValueError(f"chat_template must be auto, on or off, got '{self.chat_template}'")
+        specs = [d if isinstance(d, DatasetSpec) else DatasetSpec(**d) for d in self.datasets]
+        object.__setattr__(self, "datasets", specs)
+
+
+def _prompt_digest(prompts: list[dict]) -> str:
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(json.dumps([p["id"], p["prompt"]]).encode())
+    return digest.hexdigest()
+
+
+def collect(cfg: CollectConfig) -> dict:
+    """Run (or resume) a collection; returns the final manifest."""
+    from dscale_runtime.config import EngineConfig, SamplingParams
+    from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
+    from dscale_runtime.engine import Engine
+
+    prompts = []
+    for spec in cfg.datasets:
+        prompts += load_prompts(spec)[: cfg.max_prompts]
+    engine_cfg = EngineConfig(mode="dflash", max_running_requests=max(cfg.concurrency), device=cfg.device,
+                              dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed)
+    engine = Engine.from_pretrained(cfg.target, cfg.drafter, config=engine_cfg)
+    spec = FeatureSpec(num_positions=engine.block_size - 1)
+    projection = hidden_projection(spec, engine.drafter.config.layers.hidden_size)
+    identity = {
+        "feature_spec": spec.to_dict(),
+        "feature_width": spec.width,
+        "feature_names": spec.names(),
+        "hidden_projection_sha256": hashlib.sha256(projection.numpy().tobytes()).hexdigest(),
+        "models": {"target": model_files(cfg.target), "drafter": model_files(cfg.drafter)},
+        "config": {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in NOT_IDENTITY},
+        "prompts": {"count": len(prompts), "sha256": _prompt_digest(prompts)},
+    }
+    store = TraceStore(cfg.output)
+    manifest = store.open(identity) if cfg.log_records else identity
+    tokenizer = engine.tokenizer
+    texts = [format_prompt(tokenizer, p["prompt"], cfg.chat_template) if tokenizer else p["prompt"] for p in prompts]
+    token_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    keep = [i for i, ids in enumerate(token_ids) if len(ids) + 1 < cfg.max_model_len]
+    if len(keep) < len(prompts):
+        print(f"dscale-collect: skipping {len(prompts) - len(keep)} prompts longer than max_model_len "
+              f"{cfg.max_model_len}", file=sys.stderr)
+    chunks = [keep[i : i + cfg.chunk_prompts] for i in range(0, len(keep), cfg.chunk_prompts)]
+    work = [(c, k) for c in cfg.concurrency for k in range(len(chunks))]
+    todo = [(c, k) for c, k in work if not (cfg.log_records and store.has_shard(c, k))]
+    bar = _progress(cfg, sum(len(chunks[k]) for _, k in todo), len(work) - len(todo))
+    stats = {"steps": 0, "tokens": 0, "accepted": 0, "request_steps": 0, "start": time.time()}
+    for c, k in todo:
+        rows = _run_chunk(engine, cfg, c, chunks[k], prompts, token_ids, stats, bar, SamplingParams)
+        if cfg.log_records:
+            store.write_shard(c, k, rows, spec.width)
+            manifest = store.update_counts(manifest)
+    if bar is not None:
+        bar.close()
+    manifest.setdefault("counts", {})
+    manifest["run"] = {"seconds": round(time.time() - stats["start"], 2), "decode_steps": stats["steps"],
+                       "generated_tokens": stats["tokens"], "request_steps": stats["request_steps"]}
+    return manifest
+
+
+def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk: list[int], prompts: list[dict],
+               token_ids: list[list[int]], stats: dict, bar, SamplingParams) -> dict:
+    """Decode one chunk at one concurrency; returns its records as Parquet columns."""
+    engine.scheduler.max_running = concurrency
+    engine._generator.manual_seed(cfg.seed * 1_000_003 + concurrency * 10_007 + chunk[0])
+    columns: dict[str, list] = {k: [] for k in ("prompt_id", "dataset", "concurrency", "request_id", "step",
+                                                "num_live", "context_len", "accepted", "features")}
+    owner: dict[str, int] = {}
+
+    def observe(trace) -> None:
+        stats["steps"] += 1
+        stats["request_steps"] += trace.num_live
+        stats["accepted"] += sum(trace.accepted_lens)
+        if not cfg.log_records:
+            return
+        feats = trace.features.tolist()
+        for j, rid in enumerate(trace.request_ids):
+            p = prompts[owner[rid]]
+            columns["prompt_id"].append(p["id"])
+            columns["dataset"].append(p["dataset"])
+            columns["concurrency"].append(concurrency)
+            columns["request_id"].append(rid)
+            columns["step"].append(trace.decode_steps[j])
+            columns["num_live"].append(trace.num_live)
+            columns["context_len"].append(trace.context_lens[j])
+            columns["accepted"].append(trace.accepted_lens[j])
+            columns["features"].append(feats[j])
+
+    engine.step_observers.append(observe)
+    try:
+        for i in chunk:
+            rid = f"c{concurrency}-p{i}"
+            owner[rid] = i
+            params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
+                                    seed=cfg.seed * 1_000_003 + i if cfg.temperature > 0 else None)
+            engine.add_request(token_ids[i], params, request_id=rid)
+        while engine.has_unfinished():
+            for out in engine.step():
+                stats["tokens"] += len(out.token_ids)
+                if bar is not None:
+                    bar.update(1)
+                    elapsed = max(time.time() - stats["start"], 1e-9)
+                    bar.set_postfix(steps_s=f"{stats['steps'] / elapsed:.1f}", tok_s=f"{stats['tokens'] / elapsed:.0f}",
+                                    acc_len=f"{1 + stats['accepted'] / max(stats['request_steps'], 1):.2f}")
+    finally:
+        engine.step_observers.remove(observe)
+    return columns
+
+
+def _progress(cfg: CollectConfig, total: int, done_shards: int):
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    desc = "prompts" + (f" (resumed: {done_shards} shards already written)" if done_shards else "")
+    return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`dscale-collect --config configs/demo.yaml [--max_prompts N] [--concurrency [8,16]] ...`"""
+    import argparse
+
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = ArgumentParser(prog="dscale-collect", description=__doc__, default_env=False)
+    parser.add_argument("--config", type=str, help="configs/<target>.yaml (its `collect:` section)")
+    parser.add_class_arguments(CollectConfig)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=str)
+    config_path = pre.parse_known_args(argv)[0].config
+    if config_path:
+        path = Path(config_path)
+        if not path.is_file():
+            parser.error(f"--config {path}: no such file")
+        section = (yaml.safe_load(path.read_text()) or {}).get("collect")
+        if section is None:
+            parser.error(f"--config {path}: no 'collect:' section")
+        parser.set_defaults(**section)
+    args = parser.parse_args(argv)
+    values = {k: v for k, v in vars(args).items() if k != "config"}
+    values["datasets"] = [d if isinstance(d, DatasetSpec) else DatasetSpec(**vars(d)) if hasattr(d, "__dict__")
+                          else DatasetSpec(**d) for d in values["datasets"]]
+    manifest = collect(CollectConfig(**values))
+    print(json.dumps({"output": values["output"], "counts": manifest.get("counts"), "run": manifest.get("run")}))
+
+
+if __name__ == "__main__":
+    main()
