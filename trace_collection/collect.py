@@ -118,7 +118,7 @@ def collect(cfg: CollectConfig) -> dict:
     bar = _progress(cfg, sum(len(chunks[k]) for _, k in todo), len(work) - len(todo))
     stats = {"steps": 0, "tokens": 0, "accepted": 0, "request_steps": 0, "start": time.time()}
     for c, k in todo:
-        rows = _run_chunk(engine, cfg, c, chunks[k], prompts, token_ids, stats, bar, SamplingParams)
+        rows = _run_chunk(engine, cfg, c, k, chunks[k], prompts, token_ids, stats, bar, SamplingParams)
         if cfg.log_records:
             store.write_shard(c, k, rows, spec.width)
             manifest = store.update_counts(manifest)
@@ -130,21 +130,19 @@ def collect(cfg: CollectConfig) -> dict:
     return manifest
 
 
-def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk: list[int], prompts: list[dict],
+def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk_index: int, chunk: list[int], prompts: list[dict],
                token_ids: list[list[int]], stats: dict, bar, SamplingParams) -> dict:
     """Decode one chunk at one concurrency; returns its records as Parquet columns."""
     engine.scheduler.max_running = concurrency
     engine._generator.manual_seed(cfg.seed * 1_000_003 + concurrency * 10_007 + chunk[0])
     columns: dict[str, list] = {k: [] for k in ("prompt_id", "dataset", "concurrency", "request_id", "step",
-                                                "num_live", "context_len", "accepted", "features")}
+                                                "batch_id", "num_live", "context_len", "accepted", "features")}
     owner: dict[str, int] = {}
+    chunk_steps = [0]
 
     def observe(trace) -> None:
-        stats["steps"] += 1
-        stats["request_steps"] += trace.num_live
-        stats["accepted"] += sum(trace.accepted_lens)
-        if not cfg.log_records:
-            return
+        batch_id = f"c{concurrency}-k{chunk_index}-s{chunk_steps[0]}"
+        chunk_steps[0] += 1
         feats = trace.features.tolist()
         for j, rid in enumerate(trace.request_ids):
             p = prompts[owner[rid]]
@@ -153,12 +151,15 @@ def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk: list[int], p
             columns["concurrency"].append(concurrency)
             columns["request_id"].append(rid)
             columns["step"].append(trace.decode_steps[j])
+            columns["batch_id"].append(batch_id)
             columns["num_live"].append(trace.num_live)
             columns["context_len"].append(trace.context_lens[j])
             columns["accepted"].append(trace.accepted_lens[j])
             columns["features"].append(feats[j])
 
-    engine.step_observers.append(observe)
+    # NOTE: without an observer the engine computes no features: log_records=False measures bare decoding.
+    if cfg.log_records:
+        engine.step_observers.append(observe)
     try:
         for i in chunk:
             rid = f"c{concurrency}-p{i}"
@@ -167,7 +168,12 @@ def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk: list[int], p
                                     seed=cfg.seed * 1_000_003 + i if cfg.temperature > 0 else None)
             engine.add_request(token_ids[i], params, request_id=rid)
         while engine.has_unfinished():
-            for out in engine.step():
+            before = (engine.counters.steps, engine.counters.request_steps, engine.counters.accepted_drafts)
+            finished = engine.step()
+            stats["steps"] += engine.counters.steps - before[0]
+            stats["request_steps"] += engine.counters.request_steps - before[1]
+            stats["accepted"] += engine.counters.accepted_drafts - before[2]
+            for out in finished:
                 stats["tokens"] += len(out.token_ids)
                 if bar is not None:
                     bar.update(1)
@@ -175,7 +181,8 @@ def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk: list[int], p
                     bar.set_postfix(steps_s=f"{stats['steps'] / elapsed:.1f}", tok_s=f"{stats['tokens'] / elapsed:.0f}",
                                     acc_len=f"{1 + stats['accepted'] / max(stats['request_steps'], 1):.2f}")
     finally:
-        engine.step_observers.remove(observe)
+        if cfg.log_records:
+            engine.step_observers.remove(observe)
     return columns
 
 

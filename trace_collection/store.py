@@ -33,6 +33,7 @@ def schema(width: int) -> pa.Schema:
         ("concurrency", pa.int32()),
         ("request_id", pa.string()),
         ("step", pa.int32()),
+        ("batch_id", pa.string()),
         ("num_live", pa.int32()),
         ("context_len", pa.int32()),
         ("accepted", pa.int32()),

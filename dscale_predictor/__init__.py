@@ -1,0 +1,1 @@
+"""Training, evaluation and export of the acceptance predictor (`dscale-train`)."""

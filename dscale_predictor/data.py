@@ -1,0 +1,112 @@
+"""Trace loading, the prompt-disjoint split and feature normalisation (fitted on the train split only).
+
+The split is by prompt id (every record of a prompt lands in one split), stratified by dataset, and
+deterministic for a seed: within each dataset the sorted prompt ids are shuffled by a seeded generator
+and cut into train / val / test fractions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TraceError(ValueError):
+    """Traces that cannot be used for training as given."""
+
+
+@dataclass
+class Traces:
+    """All records of a trace folder as arrays (row order: shard order, then record order)."""
+
+    features: np.ndarray  # [R, F] float32
+    accepted: np.ndarray  # [R] int64, 0..W-1
+    prompt_id: np.ndarray  # [R] object (str)
+    dataset: np.ndarray  # [R] object (str)
+    batch_id: np.ndarray  # [R] object (str): records of one verification batch share it
+    concurrency: np.ndarray  # [R] int64
+    manifest: dict
+
+    def subset(self, mask: np.ndarray) -> "Traces":
+        return Traces(self.features[mask], self.accepted[mask], self.prompt_id[mask], self.dataset[mask],
+                      self.batch_id[mask], self.concurrency[mask], self.manifest)
+
+    def __len__(self) -> int:
+        return len(self.accepted)
+
+
+def read_traces(folder: str | Path) -> Traces:
+    folder = Path(folder)
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.is_file():
+        raise TraceError(f"{folder}: no manifest.json; collect traces with dscale-collect first")
+    manifest = json.loads(manifest_path.read_text())
+    shards = sorted((folder / "shards").glob("*.parquet"))
+    if not shards:
+        raise TraceError(f"{folder}: no shards/*.parquet")
+    cols = ["features", "accepted", "prompt_id", "dataset", "batch_id", "concurrency"]
+    tables = [pq.read_table(s, columns=cols) for s in shards]
+    width = manifest["feature_width"]
+    feats = np.concatenate([np.asarray(t.column("features").combine_chunks().flatten(), dtype=np.float32)
+                            .reshape(-1, width) for t in tables])
+    get = lambda name: np.concatenate([t.column(name).to_numpy(zero_copy_only=False) for t in tables])  # noqa: E731
+    return Traces(feats, get("accepted").astype(np.int64), get("prompt_id"), get("dataset"), get("batch_id"),
+                  get("concurrency").astype(np.int64), manifest)
+
+
+def prompt_split(prompt_id: np.ndarray, dataset: np.ndarray, fractions: tuple[float, float, float],
+                 seed: int) -> np.ndarray:
+    """Split label per record: 0 train, 1 val, 2 test; grouped by prompt, stratified by dataset."""
+    rng = np.random.default_rng(seed)
+    assign: dict[str, int] = {}
+    for name in sorted(set(dataset.tolist())):
+        ids = np.array(sorted(set(prompt_id[dataset == name].tolist())))
+        rng.shuffle(ids)
+        n_val = int(round(fractions[1] * len(ids)))
+        n_test = int(round(fractions[2] * len(ids)))
+        for i, pid in enumerate(ids):
+            assign[pid] = 2 if i < n_test else 1 if i < n_test + n_val else 0
+    return np.array([assign[p] for p in prompt_id.tolist()], dtype=np.int64)
+
+
+class TraceDataModule(L.LightningDataModule):
+    def __init__(self, traces_dir: str, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), seed: int = 0,
+                 batch_size: int = 1024) -> None:
+        super().__init__()
+        self.traces_dir = traces_dir
+        self.fractions = fractions
+        self.seed = seed
+        self.batch_size = batch_size
+        self.splits: dict[str, Traces] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        traces = read_traces(self.traces_dir)
+        split = prompt_split(traces.prompt_id, traces.dataset, self.fractions, self.seed)
+        self.splits = {name: traces.subset(split == i) for i, name in enumerate(("train", "val", "test"))}
+        for name, part in self.splits.items():
+            if not len(part):
+                raise TraceError(f"{self.traces_dir}: the {name} split is empty; collect more prompts")
+        train = self.splits["train"].features
+        self.mean = train.mean(0)
+        self.std = np.maximum(train.std(0), 1e-3)  # constant columns (e.g. one concurrency) stay finite
+
+    def _loader(self, name: str, shuffle: bool) -> DataLoader:
+        part = self.splits[name]
+        data = TensorDataset(torch.from_numpy(part.features), torch.from_numpy(part.accepted))
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(data, batch_size=self.batch_size, shuffle=shuffle, generator=gen if shuffle else None)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", False)

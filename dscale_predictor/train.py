@@ -1,0 +1,203 @@
+"""`dscale-train --target demo`: fit the acceptance predictor on traces, evaluate it, export it.
+
+Reads the `train:` section of `configs/<target>.yaml`, command-line overrides on top, and saves the
+resolved config beside the outputs in `<run_dir>/`: Lightning CSV logs (curves), the best checkpoint,
+`report.json`, PNG plots; then `artifacts/<export_name>.pt` and `.onnx`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
+from dscale_runtime.dvl.predictor import pair_identity
+from dscale_runtime.models.config import load_drafter_config, load_target_config
+from dscale_predictor.data import TraceDataModule, TraceError
+from dscale_predictor.evaluate import evaluate
+from dscale_predictor.export import export_onnx, export_pt
+from dscale_predictor.model import PredictorModule
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Predictor training, evaluation and export."""
+
+    traces: str = "traces/demo"
+    """Trace folder written by dscale-collect."""
+    run_dir: str = "runs/demo"
+    """Where logs, checkpoints, report.json, plots and the resolved config go."""
+    export_name: str = "demo"
+    """Artifacts are written as <artifacts_dir>/<export_name>.pt and .onnx."""
+    artifacts_dir: str = "artifacts"
+    """Folder of the exported artifacts."""
+    hidden_sizes: list[int] = field(default_factory=lambda: [240, 128])
+    """MLP widths (the default gives ~114K parameters)."""
+    lr: float = 2e-3
+    """AdamW peak learning rate (cosine decay over max_epochs)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    batch_size: int = 1024
+    """Records per optimiser step."""
+    max_epochs: int = 30
+    """Upper bound on epochs (early stopping on val_loss usually ends sooner)."""
+    patience: int = 4
+    """Epochs without val_loss improvement before stopping."""
+    seed: int = 0
+    """Seed of the split, initialisation and shuffling."""
+    val_fraction: float = 0.1
+    """Share of each dataset's prompts in the validation split."""
+    test_fraction: float = 0.1
+    """Share of each dataset's prompts in the test split."""
+    cohort_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])
+    """Cohort sizes N for retention at budget `budget_ratio x W x N`."""
+    budget_ratio: float = 0.5
+    """Verification budget of the retention evaluation (0.5 = 8N for W = 16)."""
+    accelerator: str = "auto"
+    """Lightning accelerator (cpu, gpu, auto)."""
+    target_path: str | None = None
+    """Target folder for the artifact's identity (None: the one recorded in the trace manifest)."""
+    drafter_path: str | None = None
+    """Drafter folder for the artifact's identity (None: the one recorded in the trace manifest)."""
+
+
+def train(cfg: TrainConfig) -> dict:
+    import lightning as L
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    dm = TraceDataModule(cfg.traces, (1 - cfg.val_fraction - cfg.test_fraction, cfg.val_fraction,
+                                      cfg.test_fraction), cfg.seed, cfg.batch_size)
+    dm.setup()
+    manifest = dm.splits["train"].manifest
+    spec = FeatureSpec.from_dict(manifest["feature_spec"])
+    identity, projection = _identity(cfg, manifest, spec)
+    module = PredictorModule(spec.to_dict(), tuple(cfg.hidden_sizes), cfg.lr, cfg.weight_decay, dm.mean, dm.std)
+    params = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
+    print(f"dscale-train: predictor with {params:,} trainable parameters; records train/val/test = "
+          f"{len(dm.splits['train'])}/{len(dm.splits['val'])}/{len(dm.splits['test'])}", flush=True)
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor="val_loss", mode="min", save_top_k=1)
+    trainer = L.Trainer(max_epochs=cfg.max_epochs, accelerator=cfg.accelerator, devices=1, deterministic=True,
+                        logger=CSVLogger(run_dir, name="logs", version=""), enable_progress_bar=False,
+                        callbacks=[checkpoint, EarlyStopping("val_loss", patience=cfg.patience, mode="min")],
+                        enable_model_summary=False)
+    start = time.time()
+    trainer.fit(module, datamodule=dm)
+    seconds = time.time() - start
+    best = PredictorModule.load_from_checkpoint(checkpoint.best_model_path, map_location="cpu", weights_only=False)
+    model = best.model.cpu().eval()
+    test = dm.splits["test"]
+    with torch.no_grad():
+        logits = model(torch.from_numpy(test.features))
+    raw = torch.sigmoid(logits).numpy()
+    scores = np.minimum.accumulate(raw, axis=1)
+    w = spec.num_positions + 1
+    report = evaluate(scores, raw, test, dm.splits["train"], spec, tuple(cfg.cohort_sizes), cfg.budget_ratio, w)
+    report.update({"parameters": params, "train_seconds": round(seconds, 1), "epochs": trainer.current_epoch,
+                   "records": {k: len(v) for k, v in dm.splits.items()},
+                   "prompts": {k: len(set(v.prompt_id.tolist())) for k, v in dm.splits.items()},
+                   "feature_spec": spec.to_dict(), "traces": cfg.traces})
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plots(report, run_dir)
+    out = Path(cfg.artifacts_dir)
+    names = {"traces": cfg.traces, "target": identity.pop("target_path"), "drafter": identity.pop("drafter_path")}
+    export_pt(model, out / f"{cfg.export_name}.pt", identity, projection, _headline(report), names)
+    export_onnx(model, out / f"{cfg.export_name}.onnx")
+    print(json.dumps(_headline(report), indent=2))
+    return report
+
+
+def _identity(cfg: TrainConfig, manifest: dict, spec: FeatureSpec) -> tuple[dict, torch.Tensor]:
+    target = cfg.target_path or manifest["config"]["target"]
+    drafter = cfg.drafter_path or manifest["config"]["drafter"]
+    for name, path in (("target", target), ("drafter", drafter)):
+        if not (Path(path) / "config.json").is_file():
+            raise TraceError(f"{path}: the {name} recorded in the traces is not here; pass --{name}_path FOLDER "
+                             "(only its config.json is read, for the artifact's identity)")
+    tcfg, dcfg = load_target_config(target), load_drafter_config(drafter)
+    projection = hidden_projection(spec, dcfg.layers.hidden_size)
+    import hashlib
+
+    if hashlib.sha256(projection.numpy().tobytes()).hexdigest() != manifest["hidden_projection_sha256"]:
+        raise TraceError("the traces were collected with another hidden-state projection than this spec gives")
+    identity = pair_identity(tcfg, dcfg)
+    identity["target_path"], identity["drafter_path"] = str(target), str(drafter)
+    return identity, projection
+
+
+def _headline(report: dict) -> dict:
+    ret = report["retention"]
+    return {"r2_accepted": report["r2_accepted"], "spearman_mean_gap_vs_accepted":
+            report["spearman_mean_gap_vs_accepted"], "auroc": report["per_position"]["auroc"],
+            "retention_after_8N": {n: {m: (v or {}).get("retention") for m, v in row.items()} for n, row in ret.items()},
+            "retention_raw": {n: (row["predictor"] or {}).get("retention_raw") for n, row in ret.items()}}
+
+
+def _plots(report: dict, run_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pos = np.arange(1, len(report["per_position"]["auroc"]) + 1)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    auroc = [a if a is not None else np.nan for a in report["per_position"]["auroc"]]
+    axes[0].bar(pos, auroc)
+    axes[0].set(title="per-position AUROC", xlabel="draft position j", ylim=(0.5, 1.0))
+    axes[1].plot(pos, report["per_position"]["brier"], marker="o", label="Brier")
+    axes[1].plot(pos, report["per_position"]["ece"], marker="s", label="ECE")
+    axes[1].set(title="calibration", xlabel="draft position j")
+    axes[1].legend()
+    sizes = list(report["retention"])
+    methods = ["predictor", "online_logistic", "mean_gap_heuristic", "fixed_width_8"]
+    for i, m in enumerate(methods):
+        vals = [(report["retention"][n].get(m) or {}).get("retention", np.nan) for n in sizes]
+        axes[2].bar(np.arange(len(sizes)) + i * 0.2, vals, width=0.2, label=m)
+    axes[2].set(title="retention at budget 8N (Algorithm 1)", xticks=np.arange(len(sizes)) + 0.3,
+                xticklabels=[f"N={n}" for n in sizes], ylim=(0, 1))
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "evaluation.png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`dscale-train --target demo [--max_epochs 10] ...` (reads configs/<target>.yaml's `train:` section)."""
+    import argparse
+
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--target")
+    pre.add_argument("--configs_dir", default="configs")
+    known = pre.parse_known_args(argv)[0]
+    parser = ArgumentParser(prog="dscale-train", description=__doc__, default_env=False)
+    parser.add_argument("--target", type=str, help="configs/<target>.yaml to read (e.g. demo, qwen3-8b)")
+    parser.add_argument("--configs_dir", type=str, default="configs", help="folder of the target configs")
+    parser.add_class_arguments(TrainConfig)
+    if known.target:
+        path = Path(known.configs_dir) / f"{known.target}.yaml"
+        if not path.is_file():
+            parser.error(f"--target {known.target}: no {path}")
+        section = (yaml.safe_load(path.read_text()) or {}).get("train")
+        if section is None:
+            parser.error(f"{path}: no 'train:' section")
+        parser.set_defaults(**section)
+    args = parser.parse_args(argv)
+    train(TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("target", "configs_dir")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""dscale-train: prompt-disjoint split, determinism, export (.pt for the runtime, .onnx for others)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from checkpoints import write_drafter, write_target
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
+from dscale_runtime.dvl.predictor import load_predictor, pair_identity
+from dscale_runtime.engine import Engine
+from dscale_runtime.models.config import load_drafter_config, load_target_config
+from dscale_predictor.data import prompt_split, read_traces
+from dscale_predictor.train import TrainConfig, train
+from trace_collection.store import TraceStore
+
+
+def write_synthetic_traces(folder, target, drafter, num_prompts=90, seed=0):
+    """Traces in the dscale-collect format whose labels follow the drafts' top1-top2 gaps (plus noise)."""
+    spec = FeatureSpec()
+    rng = np.random.default_rng(seed)
+    proj = hidden_projection(spec, 32)
+    store = TraceStore(folder)
+    manifest = store.open({
+        "feature_spec": spec.to_dict(), "feature_width": spec.width, "feature_names": spec.names(),
+        "hidden_projection_sha256": hashlib.sha256(proj.numpy().tobytes()).hexdigest(),
+        "models": {}, "config": {"target": str(target), "drafter": str(drafter)}, "prompts": {}})
+    chunk = 0
+    for c in (8, 16):
+        cols = {k: [] for k in ("prompt_id", "dataset", "concurrency", "request_id", "step", "batch_id", "num_live",
+                                "context_len", "accepted", "features")}
+        for step in range(40):
+            live = rng.choice(num_prompts, size=c, replace=False)
+            for p in live:
+                quality = rng.normal(p % 7 - 3, 1.0)  # prompts differ in how well they are drafted
+                f = rng.normal(0, 1, spec.width).astype(np.float32)
+                gaps = np.clip(quality + 2 - 0.4 * np.arange(15) + rng.normal(0, 0.5, 15), 0, None)
+                f[[j * spec.per_position + 1 for j in range(15)]] = gaps
+                cols["prompt_id"].append(f"{'ab'[p % 2]}/{p}")
+                cols["dataset"].append("ab"[p % 2])
+                cols["concurrency"].append(c)
+                cols["request_id"].append(f"c{c}-p{p}")
+                cols["step"].append(step)
+                cols["batch_id"].append(f"c{c}-k0-s{step}")
+                cols["num_live"].append(c)
+                cols["context_len"].append(100 + step)
+                cols["accepted"].append(int(np.clip(np.round(2 * quality + 5 + rng.normal(0, 1)), 0, 15)))
+                cols["features"].append(f.tolist())
+        store.write_shard(c, chunk, cols, spec.width)
+    store.update_counts(manifest)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target, drafter = write_target(root / "target", tokenizer=True), write_drafter(root / "drafter")
+    traces = write_synthetic_traces(root / "traces", target, drafter)
+    cfg = TrainConfig(traces=str(traces), run_dir=str(root / "run1"), artifacts_dir=str(root / "artifacts"),
+                      export_name="tiny", max_epochs=6, batch_size=256, accelerator="cpu")
+    report = train(cfg)
+    return root, cfg, report
+
+
+def test_configs_have_a_train_section():
+    for name in ("demo", "qwen3-8b", "qwen3-4b"):
+        TrainConfig(**yaml.safe_load(open(f"configs/{name}.yaml"))["train"])
+
+
+def test_split_is_prompt_disjoint_stratified_and_deterministic(setup):
+    root, cfg, _ = setup
+    traces = read_traces(cfg.traces)
+    split = prompt_split(traces.prompt_id, traces.dataset, (0.8, 0.1, 0.1), seed=0)
+    owners = {}
+    for pid, s in zip(traces.prompt_id.tolist(), split.tolist()):
+        assert owners.setdefault(pid, s) == s, f"prompt {pid} in two splits"
+    for name in ("a", "b"):
+        assert set(split[traces.dataset == name].tolist()) == {0, 1, 2}
+    assert np.array_equal(split, prompt_split(traces.prompt_id, traces.dataset, (0.8, 0.1, 0.1), seed=0))
+    assert not np.array_equal(split, prompt_split(traces.prompt_id, traces.dataset, (0.8, 0.1, 0.1), seed=1))
+
+
+def test_report_has_metrics_and_baselines(setup):
+    root, cfg, report = setup
+    assert 100_000 <= report["parameters"] <= 125_000
+    assert json.loads((root / "run1" / "report.json").read_text())["r2_accepted"] == report["r2_accepted"]
+    assert (root / "run1" / "evaluation.png").stat().st_size > 1000
+    assert (root / "run1" / "config.json").is_file() and list((root / "run1" / "logs").rglob("metrics.csv"))
+    assert len(report["per_position"]["auroc"]) == 15
+    assert report["r2_accepted"] > 0.3, "labels follow the features: the predictor must find that"
+    for n in ("8", "16"):
+        row = report["retention"][n]
+        assert set(row) == {"predictor", "mean_gap_heuristic", "online_logistic", "fixed_width_8"}
+        assert row["predictor"]["mean_verify_len"] == pytest.approx(8.0)
+        assert row["predictor"]["retention"] > row["fixed_width_8"]["retention"]
+    assert report["retention"]["32"]["predictor"]["cohorts"] >= 1
+
+
+def test_same_seed_same_metrics(setup):
+    root, cfg, report = setup
+    again = train(replace(cfg, run_dir=str(root / "run2"), export_name="tiny2"))
+    strip = lambda r: {k: v for k, v in r.items() if k != "train_seconds"}  # noqa: E731
+    assert strip(again) == strip(report)
+
+
+def test_onnx_equals_pytorch(setup):
+    import onnxruntime as ort
+
+    root, cfg, _ = setup
+    art = root / "artifacts"
+    model, _ = load_predictor(art / "tiny.pt")
+    session = ort.InferenceSession(str(art / "tiny.onnx"))
+    x = torch.randn(1000, model.spec.width) * 3
+    got = session.run(["scores"], {"features": x.numpy()})[0]
+    want = model.scores(x).detach().numpy()
+    assert np.abs(got - want).max() <= 1e-5
+
+
+def test_artifact_runs_in_the_engine_losslessly(setup):
+    root, _, _ = setup
+    identity = pair_identity(load_target_config(root / "target"), load_drafter_config(root / "drafter"))
+    load_predictor(root / "artifacts" / "tiny.pt", identity)  # identity check passes for its own pair
+    prompts = [[5, 6, 7, 8], [9] * 20, [1, 2]]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    want = Engine.from_pretrained(root / "target", config=EngineConfig(mode="target")).generate(prompts, params)
+    engine = Engine.from_pretrained(root / "target", root / "drafter", predictor=root / "artifacts" / "tiny.pt",
+                                    config=EngineConfig(mode="dscale", max_running_requests=3))
+    got = engine.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
