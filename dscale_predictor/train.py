@@ -39,9 +39,9 @@ class TrainConfig:
     """Folder of the exported artifacts."""
     hidden_sizes: list[int] = field(default_factory=lambda: [240, 128])
     """MLP widths (the default gives ~114K parameters)."""
-    lr: float = 2e-3
+    lr: float = 5e-4
     """AdamW peak learning rate (cosine decay over max_epochs)."""
-    weight_decay: float = 0.01
+    weight_decay: float = 0.1
     """AdamW weight decay."""
     batch_size: int = 1024
     """Records per optimiser step."""

@@ -8,6 +8,7 @@ drafter: the reference every speculative mode must reproduce token for token und
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 from dscale_runtime.attention import build_metadata
 from dscale_runtime.config import EngineConfig, RequestOutput, SamplingParams
 from dscale_runtime.dvl.allocate import allocate, budget_rows
-from dscale_runtime.dvl.features import FeatureSpec, acceptance_features, context_features
+from dscale_runtime.dvl.features import FeatureSpec, acceptance_features, context_features, hidden_projection
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity, seed_lengths
 from dscale_runtime.kv_cache import PageAllocator, PagedKVCache
@@ -328,14 +329,16 @@ class Engine:
                     finished.append(requests[i])
         return finished
 
-    def _draft(self, requests: list[Request], ctx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _draft(self, requests: list[Request], block_meta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One drafter forward over N blocks -> (draft tokens [N, W] with slot 0 = anchor,
-        draft logits [N, W-1, V], drafter hidden states [N, W-1, d] at the draft positions)."""
+        draft logits [N, W-1, V], drafter hidden states [N, W-1, d] at the draft positions).
+
+        `block_meta` addresses the W slots after each request's context (the verification rows' own
+        addresses); the drafter attends to them bidirectionally."""
         n, w = len(requests), self.block_size
         block = torch.full((n, w), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
         block[:, 0] = self._tensor([r.all_token_ids[-1] for r in requests])
-        meta = build_metadata([w] * n, ctx, [r.pages for r in requests], self.config.page_size, self.device,
-                              causal=False)
+        meta = dataclasses.replace(block_meta, causal=False)
         hidden = self.drafter(self.target.embed(block.view(-1)), meta, self.drafter_cache.layers)
         hidden = hidden.view(n, w, -1)[:, 1:]
         draft_logits = self.target.compute_logits(hidden)  # [N, W-1, V]
@@ -364,8 +367,6 @@ class Engine:
                   draft_hidden: torch.Tensor) -> torch.Tensor:
         """The shared acceptance features [N, spec.width] of this step's drafts."""
         if self.hidden_projection is None:
-            from dscale_runtime.dvl.features import hidden_projection
-
             self.hidden_projection = hidden_projection(self.feature_spec, draft_hidden.shape[-1]).to(self.device)
         context = context_features(self.feature_spec, len(requests), ctx, [r.stats.num_steps for r in requests],
                                    [r.stats.accepted_lens for r in requests], self.device)
@@ -382,12 +383,12 @@ class Engine:
     def _decode(self, requests: list[Request]) -> list[Request]:
         n, w, mode = len(requests), self.block_size, self.config.mode
         ctx = [r.num_computed for r in requests]
-        tables = [r.pages for r in requests]
+        full_meta = build_metadata([w] * n, ctx, [r.pages for r in requests], self.config.page_size, self.device,
+                                   causal=True)
         if mode == "target":
             draft_tokens = self._tensor([[r.all_token_ids[-1]] for r in requests])
         else:
-            draft_tokens, draft_logits, draft_hidden = self._draft(requests, ctx)
-        full_meta = build_metadata([w] * n, ctx, tables, self.config.page_size, self.device, causal=True)
+            draft_tokens, draft_logits, draft_hidden = self._draft(requests, full_meta)
         full_accepted = None
         features_in = None
         if mode == "dscale" or (self.step_observers and mode != "target"):

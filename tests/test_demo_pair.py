@@ -54,3 +54,18 @@ def test_engine_greedy_equals_transformers_generate():
         cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
         assert out.token_ids == want[:cut]
     assert engine.counters.accepted_drafts > 0
+
+
+def test_dscale_with_the_demo_predictor_is_lossless():
+    prompts = [p["prompt"] for p in stdlib_prompts()[16:32]]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    base = dict(max_running_requests=16, max_model_len=1024)
+    want = Engine.from_pretrained(DEMO_DIR / "target", config=EngineConfig(mode="target", **base)).generate(
+        prompts, params)
+    engine = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter", predictor=DEMO_DIR.parent / "demo.pt",
+                                    config=EngineConfig(mode="dscale", measure_retention=True, **base))
+    got = engine.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    c = engine.counters
+    assert c.verify_rows < 16 * c.request_steps * 0.6  # about half the rows of full width
+    assert c.retained_drafts / c.full_width_drafts > 0.9

@@ -95,7 +95,7 @@ class OracleDraftEngine(Engine):
         self.continuations = continuations  # request id -> target greedy output, long enough
         self.rng = random.Random(0)
 
-    def _draft(self, requests, ctx):
+    def _draft(self, requests, block_meta):
         w = self.block_size
         rows = []
         for r in requests:
