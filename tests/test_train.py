@@ -64,7 +64,8 @@ def setup(tmp_path_factory):
     target, drafter = write_target(root / "target", tokenizer=True), write_drafter(root / "drafter")
     traces = write_synthetic_traces(root / "traces", target, drafter)
     cfg = TrainConfig(traces=str(traces), run_dir=str(root / "run1"), artifacts_dir=str(root / "artifacts"),
-                      export_name="tiny", max_epochs=6, batch_size=256, accelerator="cpu")
+                      export_name="tiny", max_epochs=6, batch_size=256, lr=2e-3, weight_decay=0.01,
+                      accelerator="cpu")
     report = train(cfg)
     return root, cfg, report
 
