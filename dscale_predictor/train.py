@@ -173,28 +173,14 @@ def _plots(report: dict, run_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """`dscale-train --target demo [--max_epochs 10] ...` (reads configs/<target>.yaml's `train:` section)."""
-    import argparse
-
-    import yaml
-    from jsonargparse import ArgumentParser
+    from dscale_runtime.cli import pre_parse, section_parser
 
     argv = sys.argv[1:] if argv is None else argv
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--target")
-    pre.add_argument("--configs_dir", default="configs")
-    known = pre.parse_known_args(argv)[0]
-    parser = ArgumentParser(prog="dscale-train", description=__doc__, default_env=False)
+    known = pre_parse(argv, ("--target", None), ("--configs_dir", "configs"))
+    path = Path(known.configs_dir) / f"{known.target}.yaml" if known.target else None
+    parser = section_parser("dscale-train", __doc__, TrainConfig, "train", str(path) if path else None)
     parser.add_argument("--target", type=str, help="configs/<target>.yaml to read (e.g. demo, qwen3-8b)")
     parser.add_argument("--configs_dir", type=str, default="configs", help="folder of the target configs")
-    parser.add_class_arguments(TrainConfig)
-    if known.target:
-        path = Path(known.configs_dir) / f"{known.target}.yaml"
-        if not path.is_file():
-            parser.error(f"--target {known.target}: no {path}")
-        section = (yaml.safe_load(path.read_text()) or {}).get("train")
-        if section is None:
-            parser.error(f"{path}: no 'train:' section")
-        parser.set_defaults(**section)
     args = parser.parse_args(argv)
     train(TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("target", "configs_dir")}))
 

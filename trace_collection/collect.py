@@ -197,26 +197,12 @@ def _progress(cfg: CollectConfig, total: int, done_shards: int):
 
 def main(argv: list[str] | None = None) -> None:
     """`dscale-collect --config configs/demo.yaml [--max_prompts N] [--concurrency [8,16]] ...`"""
-    import argparse
-
-    import yaml
-    from jsonargparse import ArgumentParser
+    from dscale_runtime.cli import pre_parse, section_parser
 
     argv = sys.argv[1:] if argv is None else argv
-    parser = ArgumentParser(prog="dscale-collect", description=__doc__, default_env=False)
+    config_path = pre_parse(argv, ("--config", None)).config
+    parser = section_parser("dscale-collect", __doc__, CollectConfig, "collect", config_path)
     parser.add_argument("--config", type=str, help="configs/<target>.yaml (its `collect:` section)")
-    parser.add_class_arguments(CollectConfig)
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", type=str)
-    config_path = pre.parse_known_args(argv)[0].config
-    if config_path:
-        path = Path(config_path)
-        if not path.is_file():
-            parser.error(f"--config {path}: no such file")
-        section = (yaml.safe_load(path.read_text()) or {}).get("collect")
-        if section is None:
-            parser.error(f"--config {path}: no 'collect:' section")
-        parser.set_defaults(**section)
     args = parser.parse_args(argv)
     values = {k: v for k, v in vars(args).items() if k != "config"}
     values["datasets"] = [d if isinstance(d, DatasetSpec) else DatasetSpec(**vars(d)) if hasattr(d, "__dict__")

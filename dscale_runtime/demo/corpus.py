@@ -64,6 +64,17 @@ def documented_functions(source: str):
         yield min([node.lineno] + [d.lineno for d in node.decorator_list]), doc.end_lineno, node.name
 
 
+def _documented_in(files: list[Path]):
+    """(path, source lines, first line, docstring end line, name) of every documented function of the files."""
+    for path in files:
+        source = read_text(path)
+        if source is None:
+            continue
+        lines = source.splitlines(keepends=True)
+        for start, end, name in documented_functions(source):
+            yield path, lines, start, end, name
+
+
 def function_prompts(files: list[Path], root: Path | None = None, max_prompts: int = 256,
                      max_chars: int = 1200) -> list[dict]:
     """Prompts `def name(args):` + docstring (dedented) from functions with docstrings, in file order.
@@ -72,35 +83,21 @@ def function_prompts(files: list[Path], root: Path | None = None, max_prompts: i
     newline with the indentation that follows, so a bare trailing newline would tell the model "no indent"."""
     root = root or stdlib_root()
     prompts = []
-    for path in files:
-        source = read_text(path)
-        if source is None:
+    for path, lines, start, end, name in _documented_in(files):
+        text = textwrap.dedent("".join(lines[start - 1 : end])).rstrip("\n")
+        if len(text) > max_chars:
             continue
-        lines = source.splitlines(keepends=True)
-        for start, end, name in documented_functions(source):
-            text = textwrap.dedent("".join(lines[start - 1 : end])).rstrip("\n")
-            if len(text) > max_chars:
-                continue
-            rel = path.relative_to(root).as_posix()
-            prompts.append({"id": f"stdlib/{rel}:{start}:{name}", "dataset": "stdlib-heldout", "prompt": text})
-            if len(prompts) >= max_prompts:
-                return prompts
+        rel = path.relative_to(root).as_posix()
+        prompts.append({"id": f"stdlib/{rel}:{start}:{name}", "dataset": "stdlib-heldout", "prompt": text})
+        if len(prompts) >= max_prompts:
+            break
     return prompts
 
 
 def docstring_contexts(files: list[Path], max_chars: int = 4000) -> list[str]:
     """File text up to the closing quotes of each documented function's docstring (training prompts shaped
     like the evaluation prompts, with the file's preceding text as extra context)."""
-    contexts = []
-    for path in files:
-        source = read_text(path)
-        if source is None:
-            continue
-        lines = source.splitlines(keepends=True)
-        for _, end, _ in documented_functions(source):
-            upto = "".join(lines[:end]).rstrip("\n")
-            contexts.append(upto[-max_chars:])
-    return contexts
+    return ["".join(lines[:end]).rstrip("\n")[-max_chars:] for _, lines, _, end, _ in _documented_in(files)]
 
 
 def corpus_text(files: list[Path], eos: str) -> str:
