@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -25,89 +23,12 @@ from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity, seed_lengths
 from dscale_runtime.kv_cache import PageAllocator, PagedKVCache
 from dscale_runtime.models.dflash import DFlashDraftModel
-from dscale_runtime.models.loader import load_drafter, load_target, resolve_dtype
+from dscale_runtime.models.loader import load_drafter, load_target, load_tokenizer, read_eos_ids, resolve_dtype
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
 from dscale_runtime.sampling import SamplingBatch, policy_probs, sample, uniforms
 from dscale_runtime.scheduler import Request, Scheduler
+from dscale_runtime.stats import EngineCounters, StepStats, StepTrace
 from dscale_runtime.verify import accept_greedy, accept_sampling
-
-
-@dataclass
-class StepStats:
-    """What one decode step did (the collector and the metrics read this)."""
-
-    step: int
-    num_live: int
-    """Requests decoded in this step."""
-    request_ids: list[str]
-    accepted_lens: list[int]
-    """Accepted draft count per request (before stop rules cut the output)."""
-    verify_lens: list[int]
-    """Verified slots per request, anchor included."""
-    num_verify_rows: int
-    """Rows of the verification forward (M)."""
-    full_accepted: list[int] | None = None
-    """Accepted drafts under full-width verification (only with EngineConfig.measure_retention)."""
-
-    @property
-    def retention(self) -> float | None:
-        """sum_i min(y_i, k_i - 1) / sum_i y_i (DESIGN 3.7); None when not measured or nothing to retain."""
-        if self.full_accepted is None or not sum(self.full_accepted):
-            return None
-        kept = sum(min(y, k - 1) for y, k in zip(self.full_accepted, self.verify_lens))
-        return kept / sum(self.full_accepted)
-
-
-@dataclass
-class StepTrace:
-    """What a step observer receives after every speculative decode step (the trace collector's record)."""
-
-    request_ids: list[str]
-    decode_steps: list[int]
-    """Index of this step within each request's decoding (0 = first decode step after prefill)."""
-    context_lens: list[int]
-    """Committed tokens of each request when its block was drafted (the anchor's position)."""
-    num_live: int
-    features: torch.Tensor  # [N, spec.width] float32 on the CPU, from dscale_runtime.dvl.features
-    accepted_lens: list[int]
-    """Accepted drafts of each request in this step (full-width verification in dflash mode)."""
-    verify_lens: list[int]
-
-
-@dataclass
-class EngineCounters:
-    """Running totals since the engine started."""
-
-    steps: int = 0
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-    accepted_drafts: int = 0
-    request_steps: int = 0
-    verify_rows: int = 0
-    retained_drafts: int = 0
-    full_width_drafts: int = 0
-    history: list[StepStats] = field(default_factory=list)
-
-
-def load_tokenizer(folder: Path):
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-def read_eos_ids(folder: Path, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                ids.update(eos if isinstance(eos, list) else [eos])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
 
 
 class Engine:

@@ -35,11 +35,8 @@ class Request:
     """Tokens whose target K/V and drafter context are in the cache (all but the pending anchor)."""
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    stop_text_end: int | None = None
-    """Where the output text ends when a stop string ended the request."""
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)
-    recent_accepted: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -48,11 +45,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def needs_prefill(self) -> bool:
-        """True until the cache holds every token but the last (the anchor of the next block)."""
-        return self.num_computed < self.num_tokens - 1 or not self.output_token_ids
 
 
 class Scheduler:

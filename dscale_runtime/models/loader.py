@@ -1,4 +1,5 @@
-"""Checkpoint loading: `config.json` + `model.safetensors`, or shards listed in `model.safetensors.index.json`.
+"""Checkpoint loading: `config.json` + `model.safetensors`, or shards listed in `model.safetensors.index.json`,
+and the target folder's tokenizer and end-of-sequence ids.
 
 Every error names the file and the key to fix: missing or unexpected weights, shape mismatches, unknown
 architectures, a drafter whose width or `fc` input does not match the target.
@@ -158,3 +159,26 @@ def load_drafter(
         model = DFlashDraftModel(cfg)
     _assign(model, tensors, folder, resolve_dtype(dtype), torch.device(device))
     return model.eval()
+
+
+def load_tokenizer(folder: Path):
+    """The target folder's tokenizer (transformers AutoTokenizer), or None when the folder has none."""
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def read_eos_ids(folder: Path, tokenizer) -> set[int]:
+    """End-of-sequence ids from config.json, generation_config.json and the tokenizer."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids.update(eos if isinstance(eos, list) else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
