@@ -103,7 +103,13 @@ def train(cfg: TrainConfig) -> dict:
     scores = np.minimum.accumulate(raw, axis=1)
     w = spec.num_positions + 1
     report = evaluate(scores, raw, test, dm.splits["train"], spec, tuple(cfg.cohort_sizes), cfg.budget_ratio, w)
-    report.update({"parameters": params, "train_seconds": round(seconds, 1), "epochs": trainer.current_epoch,
+    with torch.no_grad():
+        val = dm.splits["val"]
+        val_scores = torch.sigmoid(model(torch.from_numpy(val.features))).cummin(dim=1).values.numpy()
+    from sklearn.metrics import r2_score
+
+    report.update({"val_r2_accepted": round(float(r2_score(val.accepted, val_scores.sum(1))), 4),
+                   "parameters": params, "train_seconds": round(seconds, 1), "epochs": trainer.current_epoch,
                    "records": {k: len(v) for k, v in dm.splits.items()},
                    "prompts": {k: len(set(v.prompt_id.tolist())) for k, v in dm.splits.items()},
                    "feature_spec": spec.to_dict(), "traces": cfg.traces})
