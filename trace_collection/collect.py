@@ -14,9 +14,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-import torch
 
 from trace_collection.sources import DatasetSpec, format_prompt, load_prompts
 from trace_collection.store import TraceStore, model_files
