@@ -186,3 +186,20 @@ def test_demo_traces_load_and_labels_equal_engine(tmp_path):
         labels = [r["accepted"] for r in sorted(rows, key=lambda r: r["step"]) if r["prompt_id"] == p["id"]]
         assert labels == o.stats.accepted_lens
     assert any(a > 0 for a in data["accepted"]), "the demo pair accepts drafts"
+
+
+def test_chat_template_with_thinking_disabled(tiny_setup):
+    from transformers import AutoTokenizer
+
+    from trace_collection.sources import format_prompt
+
+    root, _ = tiny_setup
+    tok = AutoTokenizer.from_pretrained(root / "target")
+    assert format_prompt(tok, "x = 1", "auto") == "x = 1"  # no template: the raw prompt
+    with pytest.raises(SourceError, match="no chat template"):
+        format_prompt(tok, "x = 1", "on")
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    assert format_prompt(tok, "x = 1", "auto") == "<user>x = 1<assistant><no-think>"
+    assert format_prompt(tok, "x = 1", "off") == "x = 1"
