@@ -258,7 +258,7 @@ class Engine:
         addresses); the drafter attends to them bidirectionally."""
         n, w = len(requests), self.block_size
         block = torch.full((n, w), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
-        block[:, 0] = self._tensor([r.all_token_ids[-1] for r in requests])
+        block[:, 0] = self._tensor([r.last_token_id for r in requests])
         meta = dataclasses.replace(block_meta, causal=False)
         hidden = self.drafter(self.target.embed(block.view(-1)), meta, self.drafter_cache.layers)
         hidden = hidden.view(n, w, -1)[:, 1:]
@@ -307,7 +307,7 @@ class Engine:
         full_meta = build_metadata([w] * n, ctx, [r.pages for r in requests], self.config.page_size, self.device,
                                    causal=True)
         if mode == "target":
-            draft_tokens = self._tensor([[r.all_token_ids[-1]] for r in requests])
+            draft_tokens = self._tensor([[r.last_token_id] for r in requests])
         else:
             draft_tokens, draft_logits, draft_hidden = self._draft(requests, full_meta)
         full_accepted = None

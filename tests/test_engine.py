@@ -105,7 +105,7 @@ class OracleDraftEngine(Engine):
             error_at = self.rng.randrange(w)  # slot 1..w-1 gets a wrong token; 0 means none
             if error_at:
                 proposal[error_at - 1] = (proposal[error_at - 1] + 1) % 94
-            rows.append([r.all_token_ids[-1]] + proposal)
+            rows.append([r.last_token_id] + proposal)
         block = self._tensor(rows)
         vocab, hidden = self.target.config.vocab_size, self.target.config.hidden_size
         # Per-slot confidence drawn at random, so features (and a predictor reading them) vary between requests.
