@@ -9,7 +9,7 @@ is the oracle for any fast kernel (the Triton path of the GPU issue is tested ag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ class AttentionMetadata:
     max_q: int  # longest per-request query (padding height of the portable path)
     max_kv: int  # longest kv_len (padding width of the portable path)
     causal: bool  # True: a row at position p sees keys <= p; False: every key < kv_len (DFlash block)
+    rope: dict = field(default_factory=dict, repr=False)  # (head_dim, theta, dtype) -> cos/sin of `positions`
 
     @property
     def num_requests(self) -> int:

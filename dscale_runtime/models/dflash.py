@@ -16,7 +16,7 @@ from torch import nn
 
 from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.models.config import DFlashConfig
-from dscale_runtime.models.layers import KVLayerCache, Qwen3DecoderLayer, RMSNorm
+from dscale_runtime.models.layers import KVLayerCache, Qwen3DecoderLayer, RMSNorm, rope_cos_sin
 
 
 class DFlashDraftModel(nn.Module):
@@ -42,8 +42,10 @@ class DFlashDraftModel(nn.Module):
     ) -> None:
         """Write the context K/V of T verified rows into every draft layer's cache."""
         fused = self.fuse_context(target_features)
+        attn = self.layers[0].self_attn
+        cos_sin = rope_cos_sin(positions, attn.head_dim, attn.rope_theta, fused.dtype)
         for layer, cache in zip(self.layers, caches):
-            layer.self_attn.write_kv(fused, positions, slots, cache)
+            layer.self_attn.write_kv(fused, positions, slots, cache, cos_sin)
 
     def forward(
         self,

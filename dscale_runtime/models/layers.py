@@ -22,10 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # NOTE: normalise in fp32, cast back, then scale: the order transformers' Qwen3RMSNorm uses.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -67,18 +65,22 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVLayerCache) -> None:
+    def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVLayerCache,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Project rows x [T, d] to K/V (k_norm, RoPE at `positions`) and store them at `slots` [T]."""
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        cos, sin = cos_sin or rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
         k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
         cache.k[slots] = apply_rope(k, cos, sin).to(cache.k.dtype)
         cache.v[slots] = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim).to(cache.v.dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVLayerCache) -> torch.Tensor:
-        cos, sin = rope_cos_sin(meta.positions, self.head_dim, self.rope_theta, x.dtype)
+        key = (self.head_dim, self.rope_theta, x.dtype)
+        if key not in meta.rope:  # NOTE: computed once per forward, shared by every layer of that shape
+            meta.rope[key] = rope_cos_sin(meta.positions, self.head_dim, self.rope_theta, x.dtype)
+        cos, sin = meta.rope[key]
         q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
         q = apply_rope(q, cos, sin)
-        self.write_kv(x, meta.positions, meta.slot_mapping, cache)
+        self.write_kv(x, meta.positions, meta.slot_mapping, cache, (cos, sin))
         out = paged_attention_ref(q, cache.k, cache.v, meta, cache.page_size, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1).to(x.dtype))
 
