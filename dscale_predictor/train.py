@@ -137,6 +137,8 @@ def _identity(cfg: TrainConfig, manifest: dict, spec: FeatureSpec) -> tuple[dict
     if hashlib.sha256(projection.numpy().tobytes()).hexdigest() != manifest["hidden_projection_sha256"]:
         raise TraceError("the traces were collected with another hidden-state projection than this spec gives")
     identity = pair_identity(tcfg, dcfg)
+    recorded = manifest.get("models", {}).get("drafter", {})
+    identity["drafter_weights"] = {k: v for k, v in recorded.items() if k.endswith(".safetensors")}
     identity["target_path"], identity["drafter_path"] = str(target), str(drafter)
     return identity, projection
 

@@ -131,7 +131,8 @@ class Engine:
             if predictor is None:
                 raise ValueError("EngineConfig.mode='dscale' needs predictor=PATH (an artifact from dscale-train)")
             identity = pair_identity(target_model.config, drafter_model.config)
-            kwargs["predictor"], kwargs["hidden_projection"] = load_predictor(predictor, identity, device=config.device)
+            kwargs["predictor"], kwargs["hidden_projection"] = load_predictor(
+                predictor, identity, device=config.device, drafter_folder=drafter)
         return cls(target_model, drafter_model, config, tokenizer, read_eos_ids(target_path, tokenizer), **kwargs)
 
     # ------------------------------------------------------------------ public API

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from dscale_runtime.config import EngineConfig, SamplingParams
@@ -68,3 +69,20 @@ def test_dscale_with_the_demo_predictor_is_lossless():
     c = engine.counters
     assert c.verify_rows < 16 * c.request_steps * 0.6  # about half the rows of full width
     assert c.retained_drafts / c.full_width_drafts > 0.9
+
+
+def test_demo_predictor_refuses_a_different_drafter(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dscale_runtime.dvl.predictor import PredictorError
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(DEMO_DIR / "drafter", drafter)
+    weights = load_file(drafter / "model.safetensors")
+    weights["norm.weight"] = weights["norm.weight"] * 1.01  # same shapes and config, other weights
+    save_file(weights, str(drafter / "model.safetensors"))
+    with pytest.raises(PredictorError, match="model.safetensors"):
+        Engine.from_pretrained(DEMO_DIR / "target", drafter, predictor=DEMO_DIR.parent / "demo.pt",
+                               config=EngineConfig(mode="dscale", max_model_len=1024))

@@ -9,7 +9,6 @@ model files or another collection setup is refused.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import platform
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dscale_runtime.models.loader import file_sha256
 
 TRACE_FORMAT = "dscale-traces"
 TRACE_VERSION = 1
@@ -39,14 +40,6 @@ def schema(width: int) -> pa.Schema:
         ("accepted", pa.int32()),
         ("features", pa.list_(pa.float32(), width)),
     ])
-
-
-def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def model_files(folder: str | Path) -> dict[str, str]:

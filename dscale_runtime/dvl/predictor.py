@@ -15,6 +15,7 @@ from torch import nn
 
 from dscale_runtime.dvl.features import FEATURE_VERSION, FeatureSpec, hidden_projection
 from dscale_runtime.models.config import DFlashConfig, Qwen3Config
+from dscale_runtime.models.loader import file_sha256
 
 ARTIFACT_FORMAT = "dscale-acceptance-predictor"
 ARTIFACT_VERSION = 1
@@ -85,9 +86,12 @@ def predictor_artifact(model: AcceptancePredictor, identity: dict, projection: t
 
 
 def load_predictor(path: str | Path, identity: dict | None = None, spec: FeatureSpec | None = None,
-                   device: str | torch.device = "cpu") -> tuple[AcceptancePredictor, torch.Tensor]:
+                   device: str | torch.device = "cpu",
+                   drafter_folder: str | Path | None = None) -> tuple[AcceptancePredictor, torch.Tensor]:
     """Load and check an artifact; returns (predictor, hidden projection). `identity` is `pair_identity(...)`
-    of the models it will run with (None skips that check, e.g. for offline inspection)."""
+    of the models it will run with (None skips that check, e.g. for offline inspection). When the artifact
+    records the drafter's weight hashes and `drafter_folder` is given, the drafter's files must match them
+    (a retrained drafter of the same shape drafts differently: its predictor must be retrained too)."""
     path = Path(path)
     if not path.is_file():
         raise PredictorError(f"{path}: no predictor artifact (train one with dscale-train, or pass --predictor)")
@@ -117,6 +121,13 @@ def load_predictor(path: str | Path, identity: dict | None = None, spec: Feature
                 if stored.get(key) != value:
                     raise PredictorError(f"{path}: trained for a {part} with {key}={stored.get(key)}, but the "
                                          f"loaded {part} has {key}={value}")
+    weights = art.get("identity", {}).get("drafter_weights") or {}
+    if drafter_folder is not None:
+        for name, digest in weights.items():
+            file = Path(drafter_folder) / name
+            if not file.is_file() or file_sha256(file) != digest:
+                raise PredictorError(f"{path}: trained with drafter weights {name} (sha256 {digest[:12]}...), but "
+                                     f"{file} differs; retrain the predictor on traces of this drafter")
     projection = art.get("hidden_projection")
     d = identity["drafter"]["hidden_size"] if identity is not None else None
     if not isinstance(projection, torch.Tensor) or projection.ndim != 2 or projection.shape[1] != got.hidden_proj_dim \

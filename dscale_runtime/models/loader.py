@@ -7,6 +7,7 @@ architectures, a drafter whose width or `fc` input does not match the target.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -182,3 +183,12 @@ def read_eos_ids(folder: Path, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    """sha256 of a file, read in chunks (model weights can be many GB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
