@@ -141,6 +141,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tiny_setup):
     assert got == want
     manifest = json.loads((crashed / "manifest.json").read_text())
     assert manifest["counts"]["records"] == len(want) and manifest["counts"]["shards"] == total
+    assert manifest["run"]["request_steps"] > 0  # the resumed invocation's own figures
     assert not list((crashed / "shards").glob(".*"))
 
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 
 from trace_collection.sources import DatasetSpec, format_prompt, load_prompts
-from trace_collection.store import TraceStore, model_files
+from trace_collection.store import TraceStore, model_files, write_json_atomic
 
 # Fields that do not change the records: where they go and how progress is shown.
 NOT_IDENTITY = ("output", "progress", "log_records")
@@ -125,6 +125,8 @@ def collect(cfg: CollectConfig) -> dict:
     manifest.setdefault("counts", {})
     manifest["run"] = {"seconds": round(time.time() - stats["start"], 2), "decode_steps": stats["steps"],
                        "generated_tokens": stats["tokens"], "request_steps": stats["request_steps"]}
+    if cfg.log_records:
+        write_json_atomic(store.manifest_path, manifest)
     return manifest
 
 
