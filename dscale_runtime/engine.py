@@ -27,7 +27,7 @@ from dscale_runtime.models.loader import load_drafter, load_target, load_tokeniz
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
 from dscale_runtime.sampling import SamplingBatch, policy_probs, sample, uniforms
 from dscale_runtime.scheduler import Request, Scheduler
-from dscale_runtime.stats import EngineCounters, StepStats, StepTrace
+from dscale_runtime.stats import EngineCounters, StepStats, StepTrace, retained_drafts
 from dscale_runtime.verify import accept_greedy, accept_sampling
 
 
@@ -316,12 +316,13 @@ class Engine:
         if mode == "dscale" or (self.step_observers and mode != "target"):
             features_in = self._features(requests, ctx, draft_logits, draft_hidden)
         decode_steps = [r.stats.num_steps for r in requests]
+        full_lens = self._tensor([w] * n)
+        full_offsets = torch.arange(n, device=self.device) * w
         if mode == "dscale":
             if self.config.measure_retention:
                 # Full-width verification first, only to measure what DVL keeps (writes the same K/V values).
                 logits, _ = self.target(draft_tokens.view(-1), full_meta, self.target_cache.layers)
-                full_accepted, _ = accept_greedy(logits.argmax(-1), draft_tokens, self._tensor([w] * n),
-                                                 self._tensor([i * w for i in range(n)]))
+                full_accepted, _ = accept_greedy(logits.argmax(-1), draft_tokens, full_lens, full_offsets)
             verify_lens, rows = self._decide(features_in, n)
             ctx_t = full_meta.kv_lens - w
             packed = flat_pack(verify_lens, draft_tokens, ctx_t, full_meta.block_tables, rows, self.config.page_size)
@@ -329,14 +330,16 @@ class Engine:
             verify_offsets, token_ids, row_req = packed.verify_offsets, packed.token_ids, packed.row_req
         else:
             meta = full_meta
-            verify_lens = self._tensor([w] * n)
-            verify_offsets = self._tensor([i * w for i in range(n)])
+            verify_lens, verify_offsets = full_lens, full_offsets
             token_ids, row_req, rows = draft_tokens.view(-1), full_meta.row_req, n * w
         logits, features = self.target(token_ids, meta, self.target_cache.layers, None, self.capture_layers)
         accepted, successor = self._verify(logits, draft_tokens, verify_lens, verify_offsets, row_req, requests)
-        # NOTE: the one host synchronisation of the step: the commit needs the accepted lengths.
-        accepted_l, successor_l, drafts_l = accepted.tolist(), successor.tolist(), draft_tokens.tolist()
-        lens_l, offsets_l = verify_lens.tolist(), verify_offsets.tolist()
+        # NOTE: the one device-to-host copy of the step: the commit needs lengths, successors and drafts.
+        host = torch.cat([accepted, successor, verify_lens, verify_offsets, draft_tokens.reshape(-1)]
+                         + ([full_accepted] if full_accepted is not None else [])).tolist()
+        accepted_l, successor_l, lens_l, offsets_l = (host[i * n : (i + 1) * n] for i in range(4))
+        drafts_l = [host[4 * n + i * w : 4 * n + (i + 1) * w] for i in range(n)]
+        full_l = host[4 * n + n * w :] if full_accepted is not None else None
         if features is not None:
             inject = self._tensor([o + j for o, a in zip(offsets_l, accepted_l) for j in range(a + 1)])
             self.drafter.inject_context(features[inject], meta.positions[inject], meta.slot_mapping[inject],
@@ -349,7 +352,7 @@ class Engine:
             request.stats.verify_lens.append(k)
             if self._commit(request, drafts[1 : a + 1] + [succ]):
                 finished.append(request)
-        self._record(requests, accepted_l, lens_l, rows, full_accepted.tolist() if full_accepted is not None else None)
+        self._record(requests, accepted_l, lens_l, rows, full_l)
         if self.step_observers and features_in is not None:
             trace = StepTrace([r.request_id for r in requests], decode_steps, ctx, n, features_in.float().cpu(),
                               accepted_l, lens_l)
@@ -368,7 +371,7 @@ class Engine:
                                    full_accepted)
         if full_accepted is not None:
             c.full_width_drafts += sum(full_accepted)
-            c.retained_drafts += sum(min(y, k - 1) for y, k in zip(full_accepted, lens))
+            c.retained_drafts += retained_drafts(full_accepted, lens)
         if self.keep_history:
             c.history.append(self.last_step)
 

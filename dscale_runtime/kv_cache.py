@@ -28,10 +28,6 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def capacity_tokens(self) -> int:
-        return (self.num_pages - 1) * self.page_size
-
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -56,7 +52,3 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.layers = [KVLayerCache(self.k[i], self.v[i], page_size) for i in range(num_layers)]
-
-    @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

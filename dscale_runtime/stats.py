@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+def retained_drafts(full_accepted: list[int], verify_lens: list[int]) -> int:
+    """Drafts full-width verification accepted that a prefix of k slots still holds: sum_i min(y_i, k_i - 1)."""
+    return sum(min(y, k - 1) for y, k in zip(full_accepted, verify_lens))
+
+
 @dataclass
 class StepStats:
     """What one decode step did (the collector and the metrics read this)."""
@@ -29,8 +34,7 @@ class StepStats:
         """sum_i min(y_i, k_i - 1) / sum_i y_i (DESIGN 3.7); None when not measured or nothing to retain."""
         if self.full_accepted is None or not sum(self.full_accepted):
             return None
-        kept = sum(min(y, k - 1) for y, k in zip(self.full_accepted, self.verify_lens))
-        return kept / sum(self.full_accepted)
+        return retained_drafts(self.full_accepted, self.verify_lens) / sum(self.full_accepted)
 
 
 @dataclass
