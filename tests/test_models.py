@@ -110,7 +110,7 @@ def test_target_matches_transformers(tmp_path, shape, tied, sharded):
     table = alloc.allocate(alloc.pages_for(T))
     cache = _cache_for(model, 16)
     meta = build_metadata([T], [0], [table], PAGE, "cpu", causal=True)
-    capture = tuple(range(L - 1))
+    capture = tuple(range(L))  # the last layer's feature is final-normed, as transformers' hidden_states
     logits, feats = model(tokens, meta, cache.layers, capture_layers=capture)
 
     ref_logits, ref_hidden = _hf_run(hf, tokens)

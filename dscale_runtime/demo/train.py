@@ -218,17 +218,20 @@ def target_features(hf_target, tokens: torch.Tensor, layer_ids: tuple[int, ...])
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), out.logits.argmax(-1)
 
 
-def _anchors(batch: int, count: int, low: int, high: int, gen: torch.Generator) -> torch.Tensor:
-    """`count` distinct sorted anchor positions in [low, high] per row."""
-    picks = torch.stack([torch.randperm(high - low + 1, generator=gen)[:count] for _ in range(batch)])
-    return (picks + low).sort(dim=1).values
+def _anchors(batch: int, count: int, low, high, gen: torch.Generator) -> torch.Tensor:
+    """`count` distinct sorted anchor positions in [low, high] per row (ints, or tensors [batch] of per-row
+    bounds; every row's range must hold `count` positions)."""
+    low = torch.as_tensor(low).expand(batch).tolist()
+    high = torch.as_tensor(high).expand(batch).tolist()
+    picks = [torch.randperm(h - lo + 1, generator=gen)[:count] + lo for lo, h in zip(low, high)]
+    return torch.stack(picks).sort(dim=1).values
 
 
 def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, corpus: np.ndarray, *,
-                  prompt_len: int, steps: int, batch: int, blocks_per_seq: int, lr: float, device: torch.device,
+                  prompt_lens: torch.Tensor, new_tokens: int, steps: int, batch: int, blocks_per_seq: int, lr: float, device: torch.device,
                   seed: int, log, decay: float = 7.0) -> list[dict]:
-    """Half of every batch: `sequences` [num, S] (a corpus window of prompt_len tokens + the target's greedy
-    continuation; anchors inside the continuation). Other half: corpus windows with teacher-forced target
+    """Half of every batch: `sequences` [num, S] (a prompt of `prompt_lens[i]` tokens + the target's greedy
+    continuation of `new_tokens`, right-padded; anchors inside the continuation). Other half: corpus windows with teacher-forced target
     predictions as labels, kept only on the prefix where the corpus agrees with the target's greedy choice,
     so every label used is exactly the target's greedy continuation from that anchor."""
     gen = torch.Generator().manual_seed(seed)
@@ -249,11 +252,12 @@ def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor,
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, max(1, steps // 20))
-        greedy_rows = sequences[torch.randint(0, sequences.shape[0], (half,), generator=gen)]
+        picked = torch.randint(0, sequences.shape[0], (half,), generator=gen)
+        greedy_rows, greedy_lens = sequences[picked], prompt_lens[picked]
         corpus_rows = random_windows(corpus, batch - half, s, gen)
         tokens = torch.cat([greedy_rows, corpus_rows]).to(device)
         # Greedy rows: anchors whose W-1 labels all lie in the continuation. Corpus rows: any anchor with context.
-        anchors = torch.cat([_anchors(half, blocks_per_seq, prompt_len - 1, s - w, gen),
+        anchors = torch.cat([_anchors(half, blocks_per_seq, greedy_lens - 1, greedy_lens + new_tokens - w, gen),
                              _anchors(batch - half, blocks_per_seq, 1, s - w, gen)]).to(device)
         with autocast(device):
             feats, greedy_next = target_features(hf_target, tokens, cfg.target_layer_ids)
@@ -286,8 +290,8 @@ def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor,
 
 
 @torch.no_grad()
-def held_out_acceptance(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, *, prompt_len: int,
-                        device: torch.device, blocks_per_seq: int = 8) -> float:
+def held_out_acceptance(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, *, prompt_lens: torch.Tensor,
+                        new_tokens: int, device: torch.device, blocks_per_seq: int = 8) -> float:
     """Mean accepted drafts on greedy sequences the drafter never trained on (teacher-forced blocks)."""
     drafter.eval()
     w = drafter.config.block_size
@@ -296,7 +300,8 @@ def held_out_acceptance(drafter: DFlashDraftModel, hf_target, sequences: torch.T
     total, count = 0.0, 0
     for start in range(0, sequences.shape[0], 64):
         tokens = sequences[start : start + 64].to(device)
-        anchors = _anchors(tokens.shape[0], blocks_per_seq, prompt_len - 1, s - w, gen).to(device)
+        lens = prompt_lens[start : start + 64]
+        anchors = _anchors(tokens.shape[0], blocks_per_seq, lens - 1, lens + new_tokens - w, gen).to(device)
         with autocast(device):
             feats, _ = target_features(hf_target, tokens, drafter.config.target_layer_ids)
             logits = hf_target.get_output_embeddings()(draft_train_forward(

@@ -50,10 +50,12 @@ class Qwen3ForCausalLM(nn.Module):
         """Returns (logits [R, vocab] fp32, features [T, len(capture_layers) * d] or None)."""
         x = self.embed(token_ids)
         captured: dict[int, torch.Tensor] = {}
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, meta, caches[i])
             if i in capture_layers:
-                captured[i] = x
+                # NOTE: transformers' hidden_states[last + 1] is the final-normed state; match it.
+                captured[i] = self.model.norm(x) if i == last else x
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if logits_rows is not None:
             x = x[logits_rows]
