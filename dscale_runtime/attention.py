@@ -4,7 +4,8 @@ Rows of one forward are packed request after request (prefill chunks, 16-slot ve
 variable prefixes or single decode rows alike). `AttentionMetadata` says, for every row, which request
 it belongs to and where it sits, and for every request which cache pages it owns. The portable path
 here gathers each request's keys, pads the queries per request and runs SDPA with an explicit mask; it
-is the oracle for any fast kernel (the Triton path of the GPU issue is tested against it).
+is the oracle for any fast kernel. The models call `dscale_runtime.kernels.paged_attention`, which routes
+to the Triton kernels on CUDA and to this path otherwise.
 """
 
 from __future__ import annotations
@@ -29,10 +30,24 @@ class AttentionMetadata:
     max_kv: int  # longest kv_len (padding width of the portable path)
     causal: bool  # True: a row at position p sees keys <= p; False: every key < kv_len (DFlash block)
     rope: dict = field(default_factory=dict, repr=False)  # (head_dim, theta, dtype) -> cos/sin of `positions`
+    # Optional per-request query bounds for kernels; derived on the device from `row_req` when left None.
+    query_starts: torch.Tensor | None = None  # [N] int64, first packed row of each request
+    query_lens: torch.Tensor | None = None  # [N] int64, rows of each request
 
     @property
     def num_requests(self) -> int:
         return int(self.kv_lens.shape[0])
+
+    def query_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query_starts [N], query_lens [N]), derived on the device (no host read) and kept when absent.
+
+        NOTE: rows are packed request after request (build_metadata, flat_pack), so request i starts after
+        the rows of requests 0..i-1; placeholder rows belong to the last (pseudo) request."""
+        if self.query_starts is None or self.query_lens is None:
+            lens = torch.zeros(self.num_requests, dtype=self.row_req.dtype, device=self.row_req.device)
+            lens.scatter_add_(0, self.row_req, torch.ones_like(self.row_req))
+            self.query_lens, self.query_starts = lens, torch.cumsum(lens, 0) - lens
+        return self.query_starts, self.query_lens
 
 
 def build_metadata(
@@ -68,6 +83,8 @@ def build_metadata(
         max_q=max(query_lens, default=1),
         max_kv=max(kv_lens, default=1),
         causal=causal,
+        query_starts=starts,
+        query_lens=q,
     )
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dscale_runtime.attention import AttentionMetadata, paged_attention_ref
+from dscale_runtime.attention import AttentionMetadata
+from dscale_runtime.kernels import paged_attention
 from dscale_runtime.models.config import Qwen3Config
 
 
@@ -81,7 +82,7 @@ class Qwen3Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
         q = apply_rope(q, cos, sin)
         self.write_kv(x, meta.positions, meta.slot_mapping, cache, (cos, sin))
-        out = paged_attention_ref(q, cache.k, cache.v, meta, cache.page_size, self.scale)
+        out = paged_attention(q, cache.k, cache.v, meta, cache.page_size, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1).to(x.dtype))
 
 
