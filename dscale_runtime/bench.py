@@ -1,0 +1,374 @@
+"""`dscale-bench`: closed-loop HTTP benchmark of dscale-serve, the paper's protocol (IV-A).
+
+c workers each send their next request as soon as the last one finished. For every mode and concurrency:
+warmup requests, then `repetitions` passes over the same fixed manifest of measured requests (demo prompts,
+greedy, fixed max_tokens), each pass giving output-token throughput, E2E latency mean/p95/p99, TTFT, TPOT
+and the mean acceptance length (from the server's /metrics counters over the pass); the report keeps every
+pass and their medians. `--launch` starts one dscale-serve per mode and stops it after its sweep; without
+it the benchmark measures the server at `--url`. Writes bench.json, bench.csv and bench.png to `--output`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import dataclasses
+import datetime
+import json
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from dscale_runtime.config import MODES
+from dscale_runtime.server.flags import parse_config
+
+METRICS = ("output_throughput", "e2e_mean", "e2e_p95", "e2e_p99", "ttft_mean", "ttft_p95", "tpot_mean",
+           "mean_acceptance_length", "completion_tokens", "duration")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """The sweep: where the server is (or which to launch), the manifest, the points, the outputs."""
+
+    url: str | None = None
+    """A running dscale-serve (e.g. http://127.0.0.1:8000); its mode is read from /v1/models. Not with --launch."""
+    launch: bool = False
+    """Start one dscale-serve per mode in --modes (with the server flags below) and stop it after its sweep."""
+    modes: str = "dflash,dscale"
+    """Modes to sweep with --launch, comma-separated (target, dflash, dscale)."""
+    concurrency: str = "1,4,8,16"
+    """Closed-loop client counts, comma-separated."""
+    num_requests: int = 32
+    """Measured requests per pass (the manifest)."""
+    warmup: int = 4
+    """Requests sent at each point before measuring (not counted)."""
+    repetitions: int = 3
+    """Passes over the manifest per point; the report gives each pass and the medians."""
+    max_tokens: int = 64
+    """max_tokens of every request (greedy, temperature 0)."""
+    prompts: str = "stdlib"
+    """Prompt set: 'stdlib' (held-out demo prompts), 'humaneval', 'demo' (both) or a JSONL file with 'prompt'."""
+    seed: int = 0
+    """Seed of the manifest's draw from the prompt set."""
+    output: str = "runs/bench"
+    """Folder for bench.json, bench.csv, bench.png and the launched servers' logs."""
+    plot: str | None = None
+    """Where to write the PNG instead of OUTPUT/bench.png (e.g. docs/img/bench_cpu_demo.png)."""
+    target: str | None = None
+    """--launch: dscale-serve --target (default: the demo pair)."""
+    drafter: str | None = None
+    """--launch: dscale-serve --drafter (default: the demo pair)."""
+    predictor: str | None = None
+    """--launch: dscale-serve --predictor (default: artifacts/demo.pt)."""
+    max_running_requests: int | None = None
+    """--launch: dscale-serve --max-running-requests (default: the largest concurrency)."""
+    budget_ratio: float = 0.5
+    """--launch: dscale-serve --budget-ratio."""
+    device: str = "cpu"
+    """--launch: dscale-serve --device."""
+    timeout: float = 600.0
+    """Seconds one request (or a launched server's start) may take."""
+
+    def __post_init__(self) -> None:
+        if self.launch == (self.url is not None):
+            raise ValueError("give either --url URL (a running dscale-serve) or --launch (start servers here)")
+        bad = [m for m in self.mode_list if m not in MODES]
+        if bad or not self.mode_list:
+            raise ValueError(f"--modes must list modes among {', '.join(MODES)}, got '{self.modes}'")
+        try:
+            levels = self.concurrency_list
+        except ValueError:
+            levels = []
+        if not levels or min(levels) < 1:
+            raise ValueError(f"--concurrency must be positive integers separated by commas, got '{self.concurrency}'")
+        for name in ("num_requests", "max_tokens", "repetitions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+
+    @property
+    def mode_list(self) -> list[str]:
+        return [m.strip() for m in self.modes.split(",") if m.strip()]
+
+    @property
+    def concurrency_list(self) -> list[int]:
+        return [int(c) for c in self.concurrency.split(",") if c.strip()]
+
+
+# ---------------------------------------------------------------------------------------------- manifest
+def load_prompts(name: str) -> list[dict]:
+    from dscale_runtime.demo import prompts
+
+    sets = {"stdlib": prompts.stdlib_prompts, "humaneval": prompts.humaneval_prompts, "demo": prompts.demo_prompts}
+    if name in sets:
+        return sets[name]()
+    if not Path(name).is_file():
+        raise ValueError(f"--prompts must be stdlib, humaneval, demo or a JSONL file; '{name}' is none of these")
+    return prompts.load_prompt_file(name)
+
+
+def manifest(config: BenchConfig) -> tuple[list[dict], list[dict]]:
+    """(warmup requests, measured requests): a seeded draw from the prompt set, cycled when it is short."""
+    pool = load_prompts(config.prompts)
+    order = list(range(len(pool)))
+    random.Random(config.seed).shuffle(order)
+    total = config.num_requests + config.warmup
+    chosen = [pool[order[i % len(order)]] for i in range(total)]
+    requests = [{"id": p["id"], "prompt": p["prompt"], "max_tokens": config.max_tokens, "temperature": 0}
+                for p in chosen]
+    return requests[config.num_requests :], requests[: config.num_requests]
+
+
+# ---------------------------------------------------------------------------------------------- one pass
+async def _send(http: httpx.AsyncClient, model: str, request: dict) -> dict:
+    body = {"model": model, "prompt": request["prompt"], "max_tokens": request["max_tokens"],
+            "temperature": request["temperature"], "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, tokens = None, None
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")
+            raise RuntimeError(f"request {request['id']}: HTTP {response.status_code}: {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"request {request['id']}: {chunk['error']['message']}")
+            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    if tokens is None:
+        raise RuntimeError(f"request {request['id']}: the stream ended without usage")
+    return {"start": start, "first": first if first is not None else end, "end": end, "tokens": tokens}
+
+
+async def closed_loop(url: str, model: str, requests: list[dict], concurrency: int, timeout: float) -> list[dict]:
+    """Send `requests` with `concurrency` workers, each starting its next request when its last one ends."""
+    queue = list(reversed(requests))
+    records: list[dict] = []
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while queue:
+            records.append(await _send(http, model, queue.pop()))
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    return records
+
+
+def read_counters(url: str) -> dict[str, float]:
+    counters = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            counters[name.split("{")[0]] = float(value)
+    return counters
+
+
+def summarise(records: list[dict], before: dict[str, float], after: dict[str, float]) -> dict:
+    """One pass's figures from its request records and the server counters around it."""
+    e2e = np.array([r["end"] - r["start"] for r in records])
+    ttft = np.array([r["first"] - r["start"] for r in records])
+    tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
+    tokens = sum(r["tokens"] for r in records)
+    duration = max(r["end"] for r in records) - min(r["start"] for r in records)
+    steps = after["dscale_request_steps_total"] - before["dscale_request_steps_total"]
+    accepted = after["dscale_accepted_drafts_total"] - before["dscale_accepted_drafts_total"]
+    return {
+        "output_throughput": tokens / duration,
+        "e2e_mean": float(e2e.mean()), "e2e_p95": float(np.percentile(e2e, 95)),
+        "e2e_p99": float(np.percentile(e2e, 99)),
+        "ttft_mean": float(ttft.mean()), "ttft_p95": float(np.percentile(ttft, 95)),
+        "tpot_mean": float(np.mean(tpot)) if tpot else float("nan"),
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else float("nan"),
+        "completion_tokens": tokens, "duration": duration,
+    }
+
+
+def measure_point(config: BenchConfig, url: str, model: str, concurrency: int, warmup: list[dict],
+                  measured: list[dict]) -> dict:
+    if warmup:
+        asyncio.run(closed_loop(url, model, warmup, concurrency, config.timeout))
+    passes = []
+    for _ in range(config.repetitions):
+        before = read_counters(url)
+        records = asyncio.run(closed_loop(url, model, measured, concurrency, config.timeout))
+        passes.append(summarise(records, before, read_counters(url)))
+    median = {k: statistics.median(p[k] for p in passes) for k in METRICS}
+    return {"concurrency": concurrency, "passes": passes, "median": median}
+
+
+# ---------------------------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LaunchedServer:
+    """One `dscale-serve` subprocess for one mode; its log goes to the output folder."""
+
+    def __init__(self, config: BenchConfig, mode: str, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        running = config.max_running_requests or max(config.concurrency_list)
+        self.command = [sys.executable, "-m", "dscale_runtime.server.main", "--mode", mode, "--port", str(self.port),
+                        "--max-running-requests", str(running), "--budget-ratio", str(config.budget_ratio),
+                        "--device", config.device, "--log-level", "warning"]
+        for flag in ("target", "drafter", "predictor"):
+            if getattr(config, flag):
+                self.command += [f"--{flag}", getattr(config, flag)]
+        self.log_path, self.timeout = log_path, config.timeout
+
+    def __enter__(self) -> "LaunchedServer":
+        self._log = self.log_path.open("w")
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"dscale-serve exited with code {self.process.returncode}; its log "
+                                   f"({self.log_path}):\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"dscale-serve did not answer /health within {self.timeout:.0f} s "
+                                   f"(log: {self.log_path})")
+            time.sleep(0.5)
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+def server_identity(url: str) -> tuple[str, str]:
+    """(model name, mode) of the server at `url`."""
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+    return model["id"], model.get("mode", "unknown")
+
+
+# ---------------------------------------------------------------------------------------------- report
+def table(points: list[dict]) -> str:
+    rows = ["| mode | c | tok/s | E2E mean (s) | E2E p95 (s) | E2E p99 (s) | TTFT mean (s) | TPOT (ms) | accept len |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in points:
+        m = p["median"]
+        rows.append(f"| {p['mode']} | {p['concurrency']} | {m['output_throughput']:.1f} | {m['e2e_mean']:.2f} | "
+                    f"{m['e2e_p95']:.2f} | {m['e2e_p99']:.2f} | {m['ttft_mean']:.3f} | {1000 * m['tpot_mean']:.1f} | "
+                    f"{m['mean_acceptance_length']:.2f} |")
+    by_key = {(p["mode"], p["concurrency"]): p["median"]["output_throughput"] for p in points}
+    ratios = [f"c={c}: {by_key[('dscale', c)] / by_key[('dflash', c)]:.2f}x" for (mode, c) in by_key
+              if mode == "dflash" and ("dscale", c) in by_key]
+    if ratios:
+        rows.append("\nDScale / DFlash throughput: " + ", ".join(ratios))
+    return "\n".join(rows)
+
+
+def write_csv(points: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["mode", "concurrency", "repetitions", *METRICS])
+        for p in points:
+            writer.writerow([p["mode"], p["concurrency"], len(p["passes"]), *(p["median"][k] for k in METRICS)])
+
+
+def plot(points: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tp, ax_lat) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(p["mode"] for p in points):
+        own = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["concurrency"])
+        cs = [p["concurrency"] for p in own]
+        line = ax_tp.plot(cs, [p["median"]["output_throughput"] for p in own], marker="o", label=mode)[0]
+        ax_lat.plot(cs, [p["median"]["e2e_mean"] for p in own], marker="o", color=line.get_color(), label=f"{mode} mean")
+        ax_lat.plot(cs, [p["median"]["e2e_p95"] for p in own], marker=".", ls="--", color=line.get_color(),
+                    label=f"{mode} p95")
+    levels = sorted({p["concurrency"] for p in points})
+    for ax, ylabel in ((ax_tp, "output tokens / s"), (ax_lat, "E2E latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrency (closed-loop clients)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def run(config: BenchConfig, command: str | None = None) -> dict:
+    out = Path(config.output)
+    out.mkdir(parents=True, exist_ok=True)
+    warmup, measured = manifest(config)
+    points: list[dict] = []
+
+    def sweep(url: str, mode: str) -> None:
+        model, _ = server_identity(url)
+        for c in config.concurrency_list:
+            print(f"[dscale-bench] {mode} c={c}: {config.warmup} warmup + {config.repetitions} x "
+                  f"{len(measured)} requests", flush=True)
+            points.append({"mode": mode, **measure_point(config, url, model, c, warmup, measured)})
+
+    if config.launch:
+        for mode in config.mode_list:
+            with LaunchedServer(config, mode, out / f"server-{mode}.log") as server:
+                sweep(server.url, mode)
+    else:
+        sweep(config.url, server_identity(config.url)[1])
+    report = {
+        "command": command,
+        "config": dataclasses.asdict(config),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version()},
+        "manifest": {"warmup": [r["id"] for r in warmup], "measured": [r["id"] for r in measured]},
+        "points": points,
+    }
+    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    write_csv(points, out / "bench.csv")
+    png = Path(config.plot) if config.plot else out / "bench.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot(points, png, f"dscale-bench: {config.num_requests} requests x {config.max_tokens} tokens, "
+                                    f"median of {config.repetitions} ({config.device})")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(BenchConfig, "dscale-bench", argv, __doc__.splitlines()[0])
+    try:
+        report = run(config, " ".join(["dscale-bench", *(sys.argv[1:] if argv is None else argv)]))
+    except (RuntimeError, ValueError, httpx.HTTPError) as exc:
+        sys.exit(f"dscale-bench: {exc}")
+    print(table(report["points"]))
+    print(f"\nwrote {config.output}/bench.json, {config.output}/bench.csv, {config.plot or config.output + '/bench.png'}")
+
+
+if __name__ == "__main__":
+    main()

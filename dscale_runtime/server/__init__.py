@@ -1,0 +1,1 @@
+"""`dscale-serve`: an OpenAI-compatible HTTP server around one `Engine` running in a background thread."""

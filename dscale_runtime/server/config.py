@@ -1,0 +1,88 @@
+"""`ServeConfig`: every option of `dscale-serve` (the CLI flags are generated from its fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dscale_runtime.config import MODES
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEMO_TARGET = REPO_ROOT / "artifacts" / "demo" / "target"
+DEMO_DRAFTER = REPO_ROOT / "artifacts" / "demo" / "drafter"
+DEMO_PREDICTOR = REPO_ROOT / "artifacts" / "demo.pt"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the server loads and how it answers."""
+
+    target: str | None = None
+    """Qwen3 target folder (config.json, safetensors, tokenizer); default: the demo pair's target."""
+    drafter: str | None = None
+    """DFlash drafter folder (modes dflash and dscale); default: the demo pair's drafter."""
+    predictor: str | None = None
+    """Acceptance predictor artifact from dscale-train (mode dscale); default: artifacts/demo.pt."""
+    mode: str = "dscale"
+    """Decoding: 'dscale' (adaptive verification), 'dflash' (full-width) or 'target' (target only)."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    max_running_requests: int = 32
+    """Most requests decoded together; later ones wait in the queue and join the batch as others finish."""
+    max_waiting_requests: int = 1024
+    """Most requests waiting for a batch slot; beyond it requests are refused with 429."""
+    max_model_len: int | None = None
+    """Context limit (prompt + output tokens); default: the target's max_position_embeddings, at most 4096
+    (the KV cache holds max-running-requests requests of this length unless --kv-cache-tokens says otherwise)."""
+    kv_cache_tokens: int | None = None
+    """KV-cache capacity in tokens; default: max-running-requests full-length requests."""
+    budget_ratio: float = 0.5
+    """DScale verification rows as a share of full width (M = ratio x 16 x N)."""
+    measure_retention: bool = False
+    """DScale: also run full-width verification to report retention in /metrics (costs a second forward)."""
+    api_key: str | None = None
+    """When set, /v1/* requests must send 'Authorization: Bearer KEY'."""
+    served_model_name: str | None = None
+    """Model name in the API; default: the target folder's name."""
+    max_request_bytes: int = 1 << 20
+    """Largest request body accepted; a larger one gets 413."""
+    device: str = "cpu"
+    """Torch device ('cpu', 'cuda', ...)."""
+    dtype: str = "auto"
+    """'float32', 'bfloat16', 'float16' or 'auto' (bf16 on CUDA, fp32 on CPU)."""
+    seed: int = 0
+    """Seed of the engine's random stream for requests without a seed."""
+    log_level: str = "info"
+    """uvicorn log level ('warning' keeps the console quiet)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got '{self.mode}'")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+
+    @property
+    def target_path(self) -> Path:
+        return Path(self.target) if self.target else DEMO_TARGET
+
+    @property
+    def drafter_path(self) -> Path | None:
+        if self.mode == "target":
+            return None
+        return Path(self.drafter) if self.drafter else DEMO_DRAFTER
+
+    @property
+    def predictor_path(self) -> Path | None:
+        if self.mode != "dscale":
+            return None
+        return Path(self.predictor) if self.predictor else DEMO_PREDICTOR
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.target_path.resolve().name

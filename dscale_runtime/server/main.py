@@ -1,0 +1,92 @@
+"""`dscale-serve`: load the engine named by the flags and serve it over HTTP with uvicorn."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from dscale_runtime.server.config import ServeConfig
+from dscale_runtime.server.flags import parse_config
+
+
+def load_engine(config: ServeConfig, engine_cls=None):
+    """The `Engine` the flags describe (every path checked before the slow loading starts)."""
+    from dscale_runtime.config import EngineConfig
+    from dscale_runtime.engine import Engine
+
+    paths = {"--target": config.target_path, "--drafter": config.drafter_path, "--predictor": config.predictor_path}
+    for flag, path in paths.items():
+        if path is not None and not path.exists():
+            raise FileNotFoundError(f"{path}: not found (dscale-serve {flag} PATH)")
+    max_model_len = config.max_model_len
+    if max_model_len is None:
+        target_config = json.loads((config.target_path / "config.json").read_text())
+        max_model_len = min(int(target_config.get("max_position_embeddings", 4096)), 4096)
+    engine_config = EngineConfig(
+        mode=config.mode, max_running_requests=config.max_running_requests, max_model_len=max_model_len,
+        kv_cache_tokens=config.kv_cache_tokens, budget_ratio=config.budget_ratio,
+        measure_retention=config.measure_retention and config.mode == "dscale", device=config.device,
+        dtype=config.dtype, seed=config.seed)
+    return (engine_cls or Engine).from_pretrained(config.target_path, config.drafter_path, config.predictor_path,
+                                                  config=engine_config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from dscale_runtime.server.app import build_app
+
+    config = parse_config(ServeConfig, "dscale-serve", argv,
+                          "OpenAI-compatible server for DScale / DFlash / target-only decoding.")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        engine = load_engine(config)
+        app = build_app(engine, config)
+    except (FileNotFoundError, ValueError) as exc:
+        sys.exit(f"dscale-serve: {exc}")
+    logging.getLogger("dscale.serve").info(
+        "serving '%s' (mode %s, max %d running, context %d) on http://%s:%d/v1", config.model_name, config.mode,
+        config.max_running_requests, engine.config.max_model_len, config.host, config.port)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+
+
+if __name__ == "__main__":
+    main()
+
+
+class BackgroundServer:
+    """uvicorn serving `build_app(engine, config)` from a thread of this process (tests, notebooks).
+
+    `with BackgroundServer(engine, config) as server:` serves at `server.url` (port 0 picks a free port)."""
+
+    def __init__(self, engine, config: ServeConfig) -> None:
+        import uvicorn
+
+        from dscale_runtime.server.app import build_app
+
+        self.app = build_app(engine, config)
+        self.state = self.app.state.server
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
+                                                     log_level="warning", lifespan="on"))
+        self._thread = None
+        self.url = ""
+
+    def __enter__(self) -> "BackgroundServer":
+        import threading
+        import time
+
+        self._thread = threading.Thread(target=self._server.run, name="dscale-serve", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the background server did not start")
+            time.sleep(0.02)
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(60)

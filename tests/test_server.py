@@ -1,0 +1,374 @@
+"""dscale-serve: the official openai client against the server, bad inputs, disconnects, a load test.
+
+Oracles: `engine.generate` of a target-only engine that decodes one request at a time (greedy answers of a
+lossless server equal it token for token), computed in the test, so nothing depends on the shipped weights.
+Servers run in a thread of the test process (`BackgroundServer`), so tests can read the engine's cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from checkpoints import write_drafter, write_target
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.demo.prompts import stdlib_prompts
+from dscale_runtime.engine import Engine
+from dscale_runtime.server.config import DEMO_DRAFTER, DEMO_PREDICTOR, DEMO_TARGET, ServeConfig
+from dscale_runtime.server.detokenize import IncrementalDetokenizer
+from dscale_runtime.server.flags import parse_config
+from dscale_runtime.server.main import BackgroundServer
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+TINY_LEN = 128
+KEY = "sekret"
+
+
+class GatedEngine(Engine):
+    """An engine whose steps wait on `gate` and last at least `delay` seconds (queue and disconnect tests)."""
+
+    gate: threading.Event
+    delay: float = 0.0
+
+    def step(self):
+        self.gate.wait()
+        time.sleep(self.delay)
+        return super().step()
+
+
+# ---------------------------------------------------------------------------------------------- servers
+@pytest.fixture(scope="module")
+def demo_reference():
+    """Target-only greedy decoding, one request at a time: every greedy answer's oracle."""
+    cfg = EngineConfig(mode="target", max_running_requests=1, max_model_len=1024)
+    return Engine.from_pretrained(DEMO_TARGET, config=cfg)
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    cfg = EngineConfig(mode="dscale", max_running_requests=8, max_model_len=1024)
+    engine = Engine.from_pretrained(DEMO_TARGET, DEMO_DRAFTER, DEMO_PREDICTOR, config=cfg)
+    with BackgroundServer(engine, ServeConfig(port=0, max_waiting_requests=256)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    write_target(root / "target", tokenizer=True)
+    write_drafter(root / "drafter")
+    config_file = root / "target" / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": CHAT_TEMPLATE}))
+    return root / "target", root / "drafter"
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_pair):
+    """dflash on the tiny pair: one running + one waiting request at most, an API key, 4 KiB bodies."""
+    cfg = EngineConfig(mode="dflash", max_running_requests=1, max_model_len=TINY_LEN)
+    engine = GatedEngine.from_pretrained(tiny_pair[0], tiny_pair[1], config=cfg)
+    engine.gate = threading.Event()
+    engine.gate.set()
+    config = ServeConfig(port=0, max_waiting_requests=1, api_key=KEY, max_request_bytes=4096,
+                         served_model_name="tiny")
+    with BackgroundServer(engine, config) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_pair):
+    return Engine.from_pretrained(tiny_pair[0], config=EngineConfig(mode="target", max_model_len=TINY_LEN))
+
+
+def short_prompts(n: int) -> list[str]:
+    prompts = [p["prompt"] for p in stdlib_prompts() if len(p["prompt"]) < 240]
+    assert len(prompts) >= n
+    return prompts[:n]
+
+
+def client(server, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def all_pages_free(engine) -> bool:
+    return not engine.has_unfinished() and engine.allocator.num_free == engine.allocator.num_pages - 1
+
+
+# ---------------------------------------------------------------------------------------------- openai client
+def test_openai_completions_equal_engine_generate(demo_server, demo_reference):
+    prompts = short_prompts(3)
+    want = demo_reference.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    api = client(demo_server)
+    model = api.models.list().data[0].id
+    for prompt, ref in zip(prompts, want):
+        answer = api.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+        assert answer.choices[0].text == ref.text
+        assert answer.choices[0].finish_reason == ref.finish_reason
+        assert answer.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert answer.usage.completion_tokens == len(ref.token_ids)
+        assert answer.usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
+        chunks = list(api.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+        assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_stream_respects_stop_strings(demo_server, demo_reference):
+    candidates = short_prompts(8)
+    texts = [o.text for o in demo_reference.generate(candidates, SamplingParams(temperature=0, max_tokens=32))]
+    prompt, full = next((p, t) for p, t in zip(candidates, texts) if len(t) >= 12)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    want = demo_reference.generate([prompt], SamplingParams(temperature=0, max_tokens=32, stop=(stop,)))[0]
+    assert want.finish_reason == "stop" and stop not in want.text
+    api = client(demo_server)
+    chunks = list(api.completions.create(model="target", prompt=prompt, max_tokens=32, temperature=0, stop=[stop],
+                                         stream=True))
+    texts = [c.choices[0].text for c in chunks]
+    assert "".join(texts) == want.text and chunks[-1].choices[0].finish_reason == "stop"
+    assert not any("\ufffd" in t for t in texts)
+    plain = api.completions.create(model="target", prompt=prompt, max_tokens=32, temperature=0, stop=stop)
+    assert plain.choices[0].text == want.text
+
+
+def test_chat_without_a_template_is_a_clear_400(demo_server):
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client(demo_server).chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_openai_chat_with_a_template(tiny_server, tiny_reference):
+    api = client(tiny_server, KEY)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f(x):"}]
+    prompt = tiny_reference.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<system>be brief<user>def f(x):<assistant>"
+    want = tiny_reference.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
+    answer = api.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert answer.choices[0].message.content == want.text
+    assert answer.choices[0].finish_reason == want.finish_reason
+    assert answer.usage.completion_tokens == len(want.token_ids)
+    chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BAD_INPUTS = {  # name: (request body or raw bytes, headers, status, words the message must hold, field named)
+    "invalid JSON": (b'{"prompt": "x",', AUTH, 400, "not valid JSON", None),
+    "body not an object": (b"[1, 2]", AUTH, 400, "must be a JSON object", None),
+    "wrong field type": ({"prompt": "x", "temperature": "hot"}, AUTH, 400, "invalid field 'temperature'",
+                         "temperature"),
+    "value out of range": ({"prompt": "x", "max_tokens": 0}, AUTH, 400, "invalid field 'max_tokens'", "max_tokens"),
+    "missing field": ({"max_tokens": 4}, AUTH, 400, "missing field 'prompt'", "prompt"),
+    "unknown field": ({"prompt": "x", "best_temperature": 1}, AUTH, 400, "unknown field", "best_temperature"),
+    "n > 1": ({"prompt": "x", "n": 2}, AUTH, 400, "n=2 is not supported", "n"),
+    "several prompts": ({"prompt": ["a", "b"]}, AUTH, 400, "one prompt per request", "prompt"),
+    "prompt over the context limit": ({"prompt": "x" * (TINY_LEN + 5)}, AUTH, 400,
+                                      f"context limit is {TINY_LEN} tokens", "prompt"),
+    "prompt + max_tokens over the limit": ({"prompt": "x" * 100, "max_tokens": 60}, AUTH, 400,
+                                           f"lower max_tokens to at most {TINY_LEN - 100}", "max_tokens"),
+    "unknown model": ({"prompt": "x", "model": "gpt-4"}, AUTH, 404, "'gpt-4' does not exist", "model"),
+    "missing key": ({"prompt": "x"}, {}, 401, "missing API key", None),
+    "wrong key": ({"prompt": "x"}, {"Authorization": "Bearer nope"}, 401, "wrong API key", None),
+    "body too large": ({"prompt": "x" * 5000}, AUTH, 413, "limit of 4096 bytes", None),
+}
+
+
+def assert_still_answers(server, reference) -> None:
+    want = reference.generate(["class A:"], SamplingParams(temperature=0, max_tokens=12))[0]
+    again = client(server, KEY).completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0)
+    assert again.choices[0].text == want.text and again.usage.completion_tokens == len(want.token_ids)
+    wait_until(lambda: all_pages_free(server.state.engine) and server.state.num_pending == 0)
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_answering(tiny_server, tiny_reference, case):
+    body, headers, status, words, field = BAD_INPUTS[case]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(tiny_server.url + "/v1/completions", content=raw, timeout=60,
+                          headers={**headers, "content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and error["param"] == field
+    metrics = httpx.get(tiny_server.url + "/metrics").text
+    assert f'dscale_http_errors_total{{model="tiny",status="{status}"}}' in metrics
+    assert_still_answers(tiny_server, tiny_reference)
+
+
+def test_openai_client_sees_auth_and_chat_errors(tiny_server):
+    with pytest.raises(openai.AuthenticationError):
+        client(tiny_server, "nope").completions.create(model="tiny", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="messages.0.role"):
+        client(tiny_server, KEY).chat.completions.create(model="tiny", messages=[{"role": "bot", "content": "x"}])
+
+
+def test_queue_full_is_429_and_the_queued_requests_still_finish(tiny_server, tiny_reference):
+    """The engine thread is held: one request is admitted, one waits, the third is refused."""
+    engine, state = tiny_server.state.engine, tiny_server.state
+    prompts = ["def f(x):", "class A:"]
+    want = tiny_reference.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    answers = {}
+
+    def post(body):
+        return httpx.post(tiny_server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+
+    def send(i):
+        answers[i] = post({"prompt": prompts[i], "max_tokens": 12, "temperature": 0, "model": "tiny"})
+
+    engine.gate.clear()
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: state.num_pending == 2)
+        refused = post({"prompt": "x"})
+        assert refused.status_code == 429 and "queue is full" in refused.json()["error"]["message"]
+    finally:
+        engine.gate.set()
+    for t in threads:
+        t.join(60)
+    for i, ref in enumerate(want):
+        assert answers[i].status_code == 200 and answers[i].json()["choices"][0]["text"] == ref.text
+    assert_still_answers(tiny_server, tiny_reference)
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_cache(tiny_server, tiny_reference):
+    engine, state = tiny_server.state.engine, tiny_server.state
+    aborted = state.worker.stats.finished["abort"]
+    body = {"prompt": "def f(x):", "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
+    engine.delay = 0.1  # 100 tokens take at least 7 steps (seconds in practice): the abort comes first
+    try:
+        with httpx.Client(headers=AUTH, timeout=60) as http:
+            with http.stream("POST", tiny_server.url + "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        break
+                assert engine.has_unfinished()
+        wait_until(lambda: all_pages_free(engine), timeout=10)
+        assert state.worker.stats.finished["abort"] == aborted + 1
+        # A non-streaming client that gives up is aborted too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(tiny_server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5,
+                       headers=AUTH)
+        wait_until(lambda: all_pages_free(engine), timeout=10)
+        assert state.worker.stats.finished["abort"] == aborted + 2
+    finally:
+        engine.delay = 0.0
+    assert_still_answers(tiny_server, tiny_reference)
+
+
+# ---------------------------------------------------------------------------------------------- load
+def test_256_requests_from_64_clients_equal_sequential_greedy(demo_server, demo_reference):
+    prompts = short_prompts(32)
+    limits = [16 + 8 * (i % 2) for i in range(len(prompts))]
+    want = demo_reference.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in limits])
+    jobs = list(range(256))
+    results: dict[int, tuple[int, str, str | None]] = {}
+
+    async def one(http: httpx.AsyncClient, j: int) -> None:
+        i = j % len(prompts)
+        body = {"prompt": prompts[i], "max_tokens": limits[i], "temperature": 0, "stream": j % 2 == 1}
+        if not body["stream"]:
+            response = await http.post("/v1/completions", json=body)
+            choice = response.json()["choices"][0] if response.status_code == 200 else {}
+            results[j] = (response.status_code, choice.get("text"), choice.get("finish_reason"))
+            return
+        text, reason = [], None
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text.append(choice["text"])
+                    reason = choice["finish_reason"] or reason
+        results[j] = (response.status_code, "".join(text), reason)
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while jobs:
+            await one(http, jobs.pop(0))
+
+    async def main() -> None:
+        limits_ = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=demo_server.url, limits=limits_, timeout=300) as http:
+            await asyncio.gather(*(worker(http) for _ in range(64)))
+
+    asyncio.run(main())
+    assert len(results) == 256
+    for j, (status, text, reason) in sorted(results.items()):
+        ref = want[j % len(prompts)]
+        assert status == 200, f"request {j}: HTTP {status}"
+        assert (text, reason) == (ref.text, ref.finish_reason), f"request {j} differs from its sequential answer"
+    wait_until(lambda: all_pages_free(demo_server.state.engine))
+    assert demo_server.state.num_pending == 0
+
+
+# ---------------------------------------------------------------------------------------------- the rest
+def test_models_health_and_metrics(demo_server):
+    assert httpx.get(demo_server.url + "/health").json() == {"status": "ok"}
+    models = httpx.get(demo_server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["target"] and models[0]["mode"] == "dscale"
+    response = httpx.get(demo_server.url + "/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    for name in ("dscale_requests_received_total", "dscale_generation_tokens_total", "dscale_requests_waiting",
+                 "dscale_mean_acceptance_length", "dscale_retention", "dscale_verify_rows_per_step",
+                 "dscale_step_seconds_sum", "dscale_prompt_tokens_total", "dscale_requests_running"):
+        assert name in values, name
+    assert values["dscale_mean_acceptance_length"] >= 1.0
+    assert values["dscale_verify_rows_per_step"] > 0
+
+
+def test_detokenizer_never_splits_a_character_and_holds_back_stop_prefixes(demo_reference):
+    tokenizer = demo_reference.tokenizer
+    text = "def grüße():\n    return '日本語 ✓ 🙂' # ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([t]) for t in ids]
+    assert not any("\ufffd" in d for d in deltas) and "".join(deltas) == text
+    assert any(len(tokenizer.decode([t])) and "\ufffd" in tokenizer.decode([t]) for t in ids), \
+        "the text must split characters across tokens for this test to mean anything"
+    stop = "🙂' #"
+    cut = text[: text.index(stop)]
+    detok, sent = IncrementalDetokenizer(tokenizer, stop=(stop,)), ""
+    for n, t in enumerate(ids, 1):  # the engine stops once the decoded text holds the stop string
+        sent += detok.add([t])
+        assert cut.startswith(sent), "nothing of the stop string is ever sent"
+        if stop in tokenizer.decode(ids[:n]):
+            break
+    assert sent + detok.finish(cut) == cut
+    detok, held = IncrementalDetokenizer(tokenizer, stop=("return 'X",)), []
+    for t in ids:  # a stop prefix is held back until the text shows the stop string does not follow
+        detok.add([t])
+        held.append(detok.text[detok.num_emitted :])
+    assert "return '" in held and held[-1] == "" and detok.text == text
+
+def test_cli_flags():
+    cfg = parse_config(ServeConfig, "dscale-serve", ["--mode", "dflash", "--max-running-requests", "4",
+                                                     "--api-key", "k", "--budget-ratio", "0.25",
+                                                     "--measure-retention"])
+    assert (cfg.mode, cfg.max_running_requests, cfg.api_key, cfg.budget_ratio, cfg.measure_retention) == (
+        "dflash", 4, "k", 0.25, True)
+    assert cfg.predictor_path is None and cfg.drafter_path == DEMO_DRAFTER
+    assert parse_config(ServeConfig, "dscale-serve", []).predictor_path == DEMO_PREDICTOR
+    with pytest.raises(SystemExit):
+        parse_config(ServeConfig, "dscale-serve", ["--mode", "fast"])
