@@ -39,6 +39,10 @@ class EngineConfig:
     """Seed of the engine's random stream for requests that carry no seed of their own."""
     budget_ratio: float = 0.5
     """DScale verification budget as a share of full width: M_live = round(budget_ratio x W x N_live)."""
+    full_width_max_batch: int = 0
+    """DScale only: steps with at most this many live requests verify all W slots without running the
+    decision (the DFlash step), where the decision costs more than the rows it saves; 0 = always decide.
+    Profile it per model and device: `benchmarks/gpu_step.py project` prints the best policy per N."""
     measure_retention: bool = False
     """DScale only: also run full-width verification each step to measure retention (costs a second
     target forward; for analysis, not serving)."""
@@ -56,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.block_size must be >= 2, got {self.block_size}")
         if not 0 < self.budget_ratio <= 1:
             raise ValueError(f"EngineConfig.budget_ratio must be in (0, 1], got {self.budget_ratio}")
+        if self.full_width_max_batch < 0:
+            raise ValueError(f"EngineConfig.full_width_max_batch must be >= 0, got {self.full_width_max_batch}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"EngineConfig.kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
 

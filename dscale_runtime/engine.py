@@ -335,12 +335,13 @@ class Engine:
             draft_tokens, draft_logits, draft_hidden = self._draft(requests, full_meta)
         full_accepted = None
         features_in = None
-        if mode == "dscale" or (self.step_observers and mode != "target"):
+        decide = mode == "dscale" and n > self.config.full_width_max_batch
+        if decide or (self.step_observers and mode != "target"):
             features_in = self._features(requests, ctx, draft_logits, draft_hidden)
         decode_steps = [r.stats.num_steps for r in requests]
         full_lens = self._tensor([w] * n)
         full_offsets = torch.arange(n, device=self.device) * w
-        if mode == "dscale":
+        if decide:
             if self.config.measure_retention:
                 # Full-width verification first, only to measure what DVL keeps (writes the same K/V values).
                 logits, _ = self.target(draft_tokens.view(-1), full_meta, self.target_cache.layers)
@@ -356,6 +357,8 @@ class Engine:
             token_ids, row_req, rows = draft_tokens.view(-1), full_meta.row_req, n * w
         logits, features = self.target(token_ids, meta, self.target_cache.layers, None, self.capture_layers)
         accepted, successor = self._verify(logits, draft_tokens, verify_lens, verify_offsets, row_req, requests)
+        if mode == "dscale" and not decide and self.config.measure_retention:
+            full_accepted = accepted  # a full-width step retains everything
         # NOTE: the one device-to-host copy of the step: the commit needs lengths, successors and drafts.
         host = torch.cat([accepted, successor, verify_lens, verify_offsets, draft_tokens.reshape(-1)]
                          + ([full_accepted] if full_accepted is not None else [])).tolist()

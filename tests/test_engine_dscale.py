@@ -154,3 +154,28 @@ def test_dscale_needs_a_matching_predictor(pair, tmp_path):  # noqa: F811
         Engine.from_pretrained(pair[0], pair[1], predictor="x.pt", config=EngineConfig(mode="dflash"))
     with pytest.raises(ValueError, match="budget_ratio"):
         EngineConfig(mode="dscale", budget_ratio=0)
+
+
+def test_small_batches_verify_full_width_without_deciding(pair, predictors):  # noqa: F811
+    """full_width_max_batch: steps with few live requests run the DFlash step (k = W for all, no decision),
+    larger ones the DVL budget; output stays target-only greedy, and no draft is lost in the small steps."""
+    prompts, _ = prompt_set(12, seed=5)
+    long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    continuations = make_engine(pair, "target").generate(prompts, long)
+    params = [SamplingParams(temperature=0, max_tokens=40 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = make_engine(pair, "target").generate(prompts, params)
+    engine = dscale_engine(pair, predictors["constant"], cls=OracleDraftEngine, max_running_requests=8,
+                           full_width_max_batch=3, measure_retention=True, keep_history=True,
+                           continuations={str(i): o.token_ids for i, o in enumerate(continuations)})
+    assert_same(engine.generate(prompts, params), want)
+    w = engine.block_size
+    small = [s for s in engine.counters.history if s.num_live <= 3]
+    large = [s for s in engine.counters.history if s.num_live > 3]
+    assert small and large, "the prompt lengths must leave small batches at the end of the run"
+    for step in small:
+        assert step.verify_lens == [w] * step.num_live and step.num_verify_rows == w * step.num_live
+        assert step.accepted_lens == step.full_accepted
+    for step in large:
+        assert step.num_verify_rows == int(0.5 * w * step.num_live + 0.5)
+    with pytest.raises(ValueError, match="full_width_max_batch"):
+        EngineConfig(mode="dscale", full_width_max_batch=-1)
