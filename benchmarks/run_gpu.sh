@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Issue 8 in one device call: the GPU tests, then every timing. Usage: bash benchmarks/run_gpu.sh OUT_DIR
 # Each section has its own time limit so one slow part cannot starve the others; logs and JSON go to OUT_DIR.
+# Needs the repository's dependencies (jsonargparse too: carry its wheel where the GPU image lacks it).
 set -uo pipefail
 out=${1:?usage: bash benchmarks/run_gpu.sh OUT_DIR}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
 for f in tests/test_kernels.py tests/test_fastpath.py tests/test_gpu.py tests/test_dvl.py; do

@@ -77,7 +77,7 @@ class DemoRecipe:
     """Temperature of the sampled extension."""
     gen_batch: int = 4096
     """Requests decoded together while generating them."""
-    drafter_steps: int = 3500
+    drafter_steps: int = 6000
     """Drafter optimiser steps."""
     drafter_batch: int = 64
     """Sequences per drafter step."""
@@ -177,9 +177,9 @@ def _train_ids(r: DemoRecipe, out: Path) -> np.ndarray:
 
 def greedy_prompts(r: DemoRecipe, out: Path, tokenizer) -> list[list[int]]:
     """Prompts of the drafter's greedy training sequences, of varied length <= gen_prompt_len:
-    a quarter shaped exactly like the evaluation prompts (`def` + docstring of a train function, dedented,
-    no file context), a quarter the file text up to a train function's docstring end cut to a random length,
-    the rest random corpus windows of random length."""
+    up to a quarter shaped exactly like the evaluation prompts (`def` + docstring of a train function,
+    dedented, no file context), up to a quarter the file text up to a train function's docstring end cut to a
+    random length, the rest random corpus windows of random length."""
     from dscale_runtime.demo.corpus import docstring_contexts, function_prompts, split_files
     from dscale_runtime.demo.train import random_windows
 
@@ -260,8 +260,8 @@ def stage_drafter(r: DemoRecipe, out: Path, report: dict) -> None:
     holdout = max(2, sequences.shape[0] // 32)  # greedy sequences kept out of drafter training
     t1 = time.time()
     curve = train_drafter(drafter, hf_target, sequences[holdout:], _train_ids(r, out),
-                          prompt_lens=prompt_lens[holdout:], new_tokens=r.gen_new_tokens, steps=r.drafter_steps, batch=r.drafter_batch,
-                          blocks_per_seq=r.blocks_per_seq, lr=r.drafter_lr, device=device, seed=r.seed, log=_log)
+                          prompt_lens=prompt_lens[holdout:], new_tokens=r.gen_new_tokens, steps=r.drafter_steps,
+                          batch=r.drafter_batch, blocks_per_seq=r.blocks_per_seq, lr=r.drafter_lr, device=device, seed=r.seed, log=_log)
     train_seconds = time.time() - t1
     fresh = held_out_acceptance(drafter, hf_target, sequences[:holdout], prompt_lens=prompt_lens[:holdout],
                                 new_tokens=r.gen_new_tokens, device=device)
@@ -335,7 +335,7 @@ def render_readme(report: dict, out: Path) -> str:
         f"- drafter: DFlash (z-lab layout), {r['drafter_layers']} layers, block {r['block_size']}, context from target "
         f"layers {list(r['target_layer_ids'])}, {dft.get('parameters')} parameters; target frozen, embedding and LM "
         f"head shared. Trained on {dft.get('greedy_sequences', ['?'])[0]} greedy target continuations "
-        f"(prompts of 16..{r['gen_prompt_len']} tokens, a quarter shaped like the evaluation prompts, + "
+        f"(prompts of 16..{r['gen_prompt_len']} tokens, up to a quarter shaped like the evaluation prompts, + "
         f"{r['gen_new_tokens']} greedy tokens, generated in "
         f"{dft.get('generate_seconds')} s) and teacher-forced corpus windows, {r['drafter_steps']} steps in "
         f"{dft.get('train_seconds')} s.",

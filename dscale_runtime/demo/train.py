@@ -228,12 +228,12 @@ def _anchors(batch: int, count: int, low, high, gen: torch.Generator) -> torch.T
 
 
 def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, corpus: np.ndarray, *,
-                  prompt_lens: torch.Tensor, new_tokens: int, steps: int, batch: int, blocks_per_seq: int, lr: float, device: torch.device,
-                  seed: int, log, decay: float = 7.0) -> list[dict]:
+                  prompt_lens: torch.Tensor, new_tokens: int, steps: int, batch: int, blocks_per_seq: int,
+                  lr: float, device: torch.device, seed: int, log, decay: float = 7.0) -> list[dict]:
     """Half of every batch: `sequences` [num, S] (a prompt of `prompt_lens[i]` tokens + the target's greedy
-    continuation of `new_tokens`, right-padded; anchors inside the continuation). Other half: corpus windows with teacher-forced target
-    predictions as labels, kept only on the prefix where the corpus agrees with the target's greedy choice,
-    so every label used is exactly the target's greedy continuation from that anchor."""
+    continuation of `new_tokens`, right-padded; anchors inside the continuation). Other half: corpus windows
+    with teacher-forced target predictions as labels, kept only on the prefix where the corpus agrees with the
+    target's greedy choice, so every label used is exactly the target's greedy continuation from that anchor."""
     gen = torch.Generator().manual_seed(seed)
     cfg = drafter.config
     w = cfg.block_size
