@@ -40,9 +40,10 @@ class ServeConfig:
     """KV-cache capacity in tokens; default: max-running-requests full-length requests."""
     budget_ratio: float = 0.5
     """DScale verification rows as a share of full width (M = ratio x 16 x N)."""
-    full_width_max_batch: int = 0
+    full_width_max_batch: int = 1
     """DScale: steps with at most this many running requests verify all 16 slots without the predictor
-    (the DFlash step), where the decision costs more than it saves; 0 = always decide."""
+    (the DFlash step), where the decision costs more than it saves; 0 = always decide. The default keeps a
+    lone request at full width (8 rows lose drafts there); profile larger values per model and GPU."""
     measure_retention: bool = False
     """DScale: also run full-width verification to report retention in /metrics (costs a second forward)."""
     api_key: str | None = None
