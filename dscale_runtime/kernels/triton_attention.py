@@ -15,6 +15,8 @@ kernel runs in Triton's interpreter, on CPU tensors too (the CPU tests).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -169,16 +171,23 @@ def launch_config(dtype: torch.dtype, stacked_rows: int, head_dim: int) -> dict:
     return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 8 if stacked_rows >= 128 else 4, "num_stages": 2}
 
 
-def kernel_constants(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, tile: int,
-                     page_size: int, causal: bool, config: dict | None = None) -> dict:
-    """The kernel's compile-time arguments and launch options: they depend on static sizes only.
-    `config` overrides BLOCK_N / num_warps / num_stages (tuning)."""
+@functools.cache
+def _static_constants(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, tile: int,
+                      page_size: int, causal: bool) -> dict:
     group = num_heads // num_kv_heads
     heads = heads_per_program(group, tile)
     block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16; extra lanes are masked
     return dict(GROUP=group, HEADS=heads, TILE=tile, HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
                 PAGE_SIZE=page_size, CAUSAL=causal, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                INTERPRET=interpreted(), **{**launch_config(dtype, tile * heads, head_dim), **(config or {})})
+                INTERPRET=interpreted(), **launch_config(dtype, tile * heads, head_dim))
+
+
+def kernel_constants(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, tile: int,
+                     page_size: int, causal: bool, config: dict | None = None) -> dict:
+    """The kernel's compile-time arguments and launch options: they depend on static sizes only (built once
+    per shape: this runs for every layer of every forward). `config` overrides BLOCK_N / num_warps / num_stages
+    (tuning). Returns a fresh dict the caller may modify."""
+    return {**_static_constants(dtype, num_heads, num_kv_heads, head_dim, tile, page_size, causal), **(config or {})}
 
 
 def paged_attention_triton(
