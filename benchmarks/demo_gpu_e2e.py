@@ -3,7 +3,8 @@
 Same engine, same held-out stdlib prompts, greedy, all requests submitted at once with
 `max_running_requests = c`; tokens/s = generated tokens / wall time (after a warm-up generate). Also checks
 that every mode's greedy output equals target-only output and counts the prompts that differ (bf16 may
-differ at near-ties; fp32 must not).
+differ at near-ties; fp32 must not); for each difference, the fp32 target's top-2 logit margin at the first
+differing token (`dscale_runtime.demo.ties`).
 
     python benchmarks/demo_gpu_e2e.py --prompts 128 --max-tokens 128 --concurrency 8 16 32 --out e2e.json
 """
@@ -20,6 +21,7 @@ import torch
 
 from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts
+from dscale_runtime.demo.ties import near_ties
 from dscale_runtime.engine import Engine
 
 
@@ -60,11 +62,14 @@ def main() -> None:
                    for mode in ("target", "dflash", "dscale")}
         reference = by_mode["target"]["tokens"]
         for mode, r in by_mode.items():
-            r["prompts_equal_to_target"] = sum(a == b for a, b in zip(r.pop("tokens"), reference))
+            tokens = r.pop("tokens")
+            r["prompts_equal_to_target"] = sum(a == b for a, b in zip(tokens, reference))
+            r["differences"] = near_ties(DEMO_DIR / "target", prompts, tokens, reference, device="cuda")
             r["speedup_vs_target"] = round(r["tokens_per_s"] / by_mode["target"]["tokens_per_s"], 2)
             rows.append(r)
             print(f"c={c:3d} {mode:7s} {r['tokens_per_s']:9.1f} tok/s  x{r['speedup_vs_target']:.2f}  "
-                  f"acc_len {r['mean_acceptance_length']:.3f}  equal {r['prompts_equal_to_target']}/{len(prompts)}",
+                  f"acc_len {r['mean_acceptance_length']:.3f}  equal {r['prompts_equal_to_target']}/{len(prompts)}  "
+                  f"fp32 margins at differences {[d['fp32_top2_margin'] for d in r['differences']]}",
                   flush=True)
     result = {"command": "python benchmarks/demo_gpu_e2e.py " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"

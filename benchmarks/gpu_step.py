@@ -132,7 +132,7 @@ def build_models(shape: ModelShape, device, dtype, seed: int = 0):
     drafter = random_init(drafter, device, dtype, std, gen).eval()
     if shape.tied:  # NOTE: materialising a meta module unties shared parameters; tie them again
         target.lm_head.weight = target.model.embed_tokens.weight
-    return target, drafter
+    return target.fuse_projections(), drafter.fuse_projections()
 
 
 def random_predictor(spec: FeatureSpec, device, seed: int = 0) -> AcceptancePredictor:

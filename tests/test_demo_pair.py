@@ -86,3 +86,24 @@ def test_demo_predictor_refuses_a_different_drafter(tmp_path):
     with pytest.raises(PredictorError, match="model.safetensors"):
         Engine.from_pretrained(DEMO_DIR / "target", drafter, predictor=DEMO_DIR.parent / "demo.pt",
                                config=EngineConfig(mode="dscale", max_model_len=1024))
+
+
+@torch.no_grad()
+def test_near_tie_report_finds_the_first_difference_and_its_margin():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dscale_runtime.demo.ties import near_ties
+
+    prompts = [p["prompt"] for p in stdlib_prompts()[:2]]
+    tok = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_DIR / "target", dtype=torch.float32).eval()
+    ids = tok(prompts[1], add_special_tokens=False)["input_ids"]
+    greedy = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    logits = hf(torch.tensor([ids + greedy[:3]])).logits[0, -1]
+    top = logits.topk(2)
+    swapped = greedy[:3] + [top.indices[1].item()] + greedy[4:]
+    same = [[5, 6, 7], greedy]
+    report = near_ties(DEMO_DIR / "target", prompts, same, [[5, 6, 7], swapped])
+    assert len(report) == 1 and report[0]["prompt"] == 1 and report[0]["first_difference"] == 3
+    assert report[0]["fp32_top2_margin"] == pytest.approx((top.values[0] - top.values[1]).item(), abs=1e-3)
+    assert near_ties(DEMO_DIR / "target", prompts, same, same) == []

@@ -67,8 +67,28 @@ def tiny_pair(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     cfg = yaml.safe_load(open("configs/demo_build_tiny.yaml"))
     recipe = DemoRecipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
-    report = build(replace(recipe, out=str(out)))
+    report = build(replace(recipe, out=str(out), greedy_cache=str(out / "work" / "greedy.pt")))
     return out, report
+
+
+def test_greedy_cache_reused_only_for_the_same_target_and_settings(tiny_pair, monkeypatch):
+    from dscale_runtime.demo import build as build_mod
+
+    out, report = tiny_pair
+    cfg = yaml.safe_load(open("configs/demo_build_tiny.yaml"))
+    recipe = replace(DemoRecipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}),
+                     out=str(out), greedy_cache=str(out / "work" / "greedy.pt"))
+    saved = torch.load(out / "work" / "greedy.pt", weights_only=True)
+    assert saved["sequences"].shape[0] == recipe.gen_sequences
+    calls = []
+    real = build_mod.generate_sequences
+    monkeypatch.setattr(build_mod, "generate_sequences", lambda r, o: calls.append(r) or real(r, o))
+    seqs, lens = build_mod.cached_sequences(recipe, out)
+    assert calls == [] and torch.equal(seqs, saved["sequences"]) and torch.equal(lens, saved["prompt_lens"])
+    other = replace(recipe, gen_new_tokens=recipe.gen_new_tokens // 2)
+    seqs, _ = build_mod.cached_sequences(other, out)
+    assert len(calls) == 1 and seqs.shape[1] == other.gen_prompt_len + other.gen_new_tokens
+    assert torch.load(out / "work" / "greedy.pt", weights_only=True)["sequences"].shape == seqs.shape
 
 
 def test_tiny_recipe_end_to_end(tiny_pair):

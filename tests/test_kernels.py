@@ -223,26 +223,31 @@ def test_interpreter_half_precision(interpreter, dtype):
 
 
 def greedy_tokens_by_backend(pair, predictor, prompts, max_tokens: int, monkeypatch, **config):
-    """{mode: {backend: token lists}} for dflash and dscale, greedy, with DSCALE_ATTENTION set per run;
-    asserts that the Triton path ran exactly when asked for."""
+    """{mode: {backend: token lists}} for dflash and dscale, greedy, with DSCALE_ATTENTION, DSCALE_FUSED and
+    DSCALE_FEATURES all set to the backend per run; asserts that the Triton paths ran exactly when asked for."""
     from dscale_runtime.config import EngineConfig, SamplingParams
     from dscale_runtime.engine import Engine
-    from dscale_runtime.kernels import triton_attention
+    from dscale_runtime.kernels import triton_attention, triton_features, triton_fused
 
-    calls = []
-    original = triton_attention.paged_attention_triton
-    monkeypatch.setattr(triton_attention, "paged_attention_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    calls, fused_calls, feature_calls = [], [], []
+    for module, name, log in ((triton_attention, "paged_attention_triton", calls),
+                              (triton_fused, "add_rms_norm_triton", fused_calls),
+                              (triton_features, "confidence_features_triton", feature_calls)):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _log=log, **k: _log.append(1) or _f(*a, **k))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tokens = {}
     for mode in ("dflash", "dscale"):
         for backend in ("ref", "triton"):
-            monkeypatch.setenv("DSCALE_ATTENTION", backend)
-            before = len(calls)
+            for var in ("DSCALE_ATTENTION", "DSCALE_FUSED", "DSCALE_FEATURES"):
+                monkeypatch.setenv(var, backend)
+            before = (len(calls), len(fused_calls), len(feature_calls))
             cfg = EngineConfig(mode=mode, **config)
             engine = Engine.from_pretrained(pair[0], pair[1], predictor=predictor if mode == "dscale" else None,
                                             config=cfg)
             tokens.setdefault(mode, {})[backend] = [o.token_ids for o in engine.generate(prompts, params)]
-            assert (len(calls) > before) == (backend == "triton")
+            ran = (len(calls) > before[0], len(fused_calls) > before[1], len(feature_calls) > before[2])
+            assert ran == (backend == "triton", backend == "triton", backend == "triton" and mode == "dscale"), ran
     return tokens
 
 

@@ -3,6 +3,8 @@ test-local reference written from the design text for the DFlash drafter. fp32 C
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -84,20 +86,31 @@ TARGET_SHAPES = {
 
 TARGET_CASES = [(shape, tied, sharded) for tied in (False, True) for sharded in (False, True) for shape in ("gqa",)]
 TARGET_CASES += [("mqa_wide_head", tied, False) for tied in (False, True)]
+TARGET_CASES += [("gqa", False, False, True)]  # fused q/k/v and gate/up projections (the CUDA layout)
+TARGET_CASES = [c if len(c) == 4 else (*c, False) for c in TARGET_CASES]
 
 
 @pytest.mark.parametrize(
-    "shape,tied,sharded", TARGET_CASES,
-    ids=[f"{s}-{'tied' if t else 'untied'}-{'sharded' if sh else 'single'}" for s, t, sh in TARGET_CASES],
+    "shape,tied,sharded,fused", TARGET_CASES,
+    ids=[f"{s}-{'tied' if t else 'untied'}-{'sharded' if sh else 'single'}{'-fused' if f else ''}"
+         for s, t, sh, f in TARGET_CASES],
 )
 @torch.no_grad()
-def test_target_matches_transformers(tmp_path, shape, tied, sharded):
+def test_target_matches_transformers(tmp_path, shape, tied, sharded, fused):
     kw = TARGET_SHAPES[shape]
     folder = write_target(tmp_path / "t", tied=tied, shard_size="20KB" if sharded else None, seed=3, **kw)
     assert (folder / "model.safetensors.index.json").is_file() == sharded
     assert (folder / "model.safetensors").is_file() == (not sharded)
 
     model = load_target(folder, "float32")
+    if fused:
+        names = {k: v.clone() for k, v in model.state_dict().items()}
+        model.fuse_projections()
+        fused_state = model.state_dict()
+        assert names.keys() == fused_state.keys() and all(torch.equal(names[k], fused_state[k]) for k in names)
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        assert attn.k_proj.weight.data_ptr() == attn.qkv[0][attn.q_proj.weight.shape[0]:].data_ptr()
+        assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[mlp.gate_proj.weight.shape[0]:].data_ptr()
     hf = _hf(folder)
     cfg = model.config
     assert cfg.tie_word_embeddings == tied
@@ -293,8 +306,11 @@ def _draft(drafter, cache, tables, ctx_lens, block):
 
 
 @torch.no_grad()
-def test_drafter_matches_design_reference(drafter_setup):
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_drafter_matches_design_reference(drafter_setup, fused):
     drafter, weights, dcfg = drafter_setup
+    if fused:
+        drafter = copy.deepcopy(drafter).fuse_projections()
     d, W = TARGET_CFG.hidden_size, drafter.config.block_size
     width = len(drafter.config.target_layer_ids) * d
     ctx_lens = [5, 13, 1]

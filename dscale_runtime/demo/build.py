@@ -85,6 +85,10 @@ class DemoRecipe:
     """Blocks (anchors) per sequence per drafter step."""
     drafter_lr: float = 1e-3
     """Peak learning rate of the drafter."""
+    drafter_kl_weight: float = 0.0
+    """Drafter loss mix: (1 - w) x cross-entropy on the greedy label + w x KL(target || drafter)."""
+    greedy_cache: str | None = None
+    """File keeping the generated greedy sequences (reused while the target and the gen_* settings match)."""
     eval_prompts: int = 160
     """Held-out prompts decoded by the eval stage."""
     eval_new_tokens: int = 128
@@ -206,6 +210,37 @@ def greedy_prompts(r: DemoRecipe, out: Path, tokenizer) -> list[list[int]]:
     return [prompts[i] for i in order]
 
 
+def _greedy_key(r: DemoRecipe, out: Path) -> str:
+    import hashlib
+
+    fields = {k: v for k, v in asdict(r).items() if k.startswith("gen_") or k in ("seed", "file_limit")}
+    digest = hashlib.sha256()
+    for weights in sorted((out / "target").glob("model*.safetensors")):  # one file or shards
+        digest.update(weights.read_bytes())
+    digest.update(json.dumps(fields, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def cached_sequences(r: DemoRecipe, out: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """`generate_sequences`, through `r.greedy_cache` when set: a cache written for another target or other
+    gen_* settings is regenerated (and replaced), never reused."""
+    if r.greedy_cache is None:
+        return generate_sequences(r, out)
+    path, key = Path(r.greedy_cache), _greedy_key(r, out)
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if saved.get("key") == key:
+            _log(f"greedy sequences from {path}")
+            return saved["sequences"], saved["prompt_lens"]
+        _log(f"{path} was generated for another target or settings: regenerating")
+    sequences, prompt_lens = generate_sequences(r, out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"key": key, "sequences": sequences, "prompt_lens": prompt_lens}, tmp)
+    tmp.replace(path)
+    return sequences, prompt_lens
+
+
 def generate_sequences(r: DemoRecipe, out: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequences [num, gen_prompt_len + gen_new_tokens]: prompt + the target's greedy continuation (our engine,
     target-only mode), right-padded with end-of-text; prompt lengths [num])."""
@@ -247,7 +282,7 @@ def stage_drafter(r: DemoRecipe, out: Path, report: dict) -> None:
 
     device = torch.device(r.device)
     t0 = time.time()
-    sequences, prompt_lens = generate_sequences(r, out)
+    sequences, prompt_lens = cached_sequences(r, out)
     gen_seconds = time.time() - t0
     _log(f"generated {tuple(sequences.shape)} greedy sequences in {gen_seconds:.0f} s")
     tok_json = json.loads((out / "target" / "tokenizer.json").read_text())
@@ -261,7 +296,8 @@ def stage_drafter(r: DemoRecipe, out: Path, report: dict) -> None:
     t1 = time.time()
     curve = train_drafter(drafter, hf_target, sequences[holdout:], _train_ids(r, out),
                           prompt_lens=prompt_lens[holdout:], new_tokens=r.gen_new_tokens, steps=r.drafter_steps,
-                          batch=r.drafter_batch, blocks_per_seq=r.blocks_per_seq, lr=r.drafter_lr, device=device, seed=r.seed, log=_log)
+                          batch=r.drafter_batch, blocks_per_seq=r.blocks_per_seq, lr=r.drafter_lr, device=device, seed=r.seed, log=_log,
+                          kl_weight=r.drafter_kl_weight)
     train_seconds = time.time() - t1
     fresh = held_out_acceptance(drafter, hf_target, sequences[:holdout], prompt_lens=prompt_lens[:holdout],
                                 new_tokens=r.gen_new_tokens, device=device)
@@ -312,7 +348,7 @@ def stage_eval(r: DemoRecipe, out: Path, report: dict) -> None:
 def render_readme(report: dict, out: Path) -> str:
     """The artifacts README, written from the measured figures of the build report."""
     r, data, tgt, dft = report["recipe"], report.get("data", {}), report.get("target", {}), report.get("drafter", {})
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "work" not in p.parts)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "work" not in p.relative_to(out).parts)
     lines = [
         "# Demo pair: a small Python code model and its DFlash drafter",
         "",
@@ -337,8 +373,10 @@ def render_readme(report: dict, out: Path) -> str:
         f"head shared. Trained on {dft.get('greedy_sequences', ['?'])[0]} greedy target continuations "
         f"(prompts of 16..{r['gen_prompt_len']} tokens, up to a quarter shaped like the evaluation prompts, + "
         f"{r['gen_new_tokens']} greedy tokens, generated in "
-        f"{dft.get('generate_seconds')} s) and teacher-forced corpus windows, {r['drafter_steps']} steps in "
-        f"{dft.get('train_seconds')} s.",
+        f"{dft.get('generate_seconds')} s) and teacher-forced corpus windows, {r['drafter_steps']} steps of "
+        f"{r['drafter_batch']} sequences x {r['blocks_per_seq']} blocks in {dft.get('train_seconds')} s; loss "
+        f"per draft slot {1 - r.get('drafter_kl_weight', 0.0):g} x cross-entropy on the target's greedy token + "
+        f"{r.get('drafter_kl_weight', 0.0):g} x KL(target || drafter).",
         f"- files: {size / 1e6:.1f} MB in all, weights in bf16.",
         "",
         "## Figures",
@@ -363,9 +401,13 @@ def render_readme(report: dict, out: Path) -> str:
     speed = out / "cpu_speed.json"
     if speed.is_file():
         sp = json.loads(speed.read_text())
-        lines += ["", f"### CPU decoding speed, batch 1 ({sp['command']})", "",
-                  f"- {sp['device']}, {sp['date']}: target-only {sp['target_tokens_per_s']} tok/s, DFlash "
-                  f"{sp['dflash_tokens_per_s']} tok/s, speedup **{sp['speedup']}x** (median of {sp['repeats']})"]
+        lines += ["", f"### CPU decoding speed, batch 1 ({sp['command']})", ""]
+        for dtype, r in sp.get("dtypes", {sp.get("headline_dtype", "float32"): sp}).items():
+            equal = r.get("prompts_equal_to_target_only")
+            lines.append(f"- {dtype}, {sp['device']}, {sp['date']}: target-only {r['target_tokens_per_s']} tok/s, "
+                         f"DFlash {r['dflash_tokens_per_s']} tok/s, speedup **{r['speedup']}x** (median of "
+                         f"{sp['repeats']})" + ("" if equal is None else
+                                                f"; {equal} of {sp['prompts']} outputs equal to target-only"))
     samples = (report.get("eval_cpu") or report.get("eval_cuda") or {}).get("samples", [])
     if samples:
         lines += ["", "## Greedy samples (prompt, then the target's completion)", ""]

@@ -212,10 +212,13 @@ def draft_train_forward(
 
 
 @torch.no_grad()
-def target_features(hf_target, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(outputs of the target layers `layer_ids` [B, S, len(layer_ids) * d], greedy next tokens [B, S])."""
+def target_features(hf_target, tokens: torch.Tensor, layer_ids: tuple[int, ...],
+                    with_logits: bool = False) -> tuple[torch.Tensor, ...]:
+    """(outputs of the target layers `layer_ids` [B, S, len(layer_ids) * d], greedy next tokens [B, S]
+    [, next-token logits [B, S, V] when `with_logits`])."""
     out = hf_target(tokens, output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1), out.logits.argmax(-1)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return (feats, out.logits.argmax(-1), out.logits) if with_logits else (feats, out.logits.argmax(-1))
 
 
 def _anchors(batch: int, count: int, low, high, gen: torch.Generator) -> torch.Tensor:
@@ -229,11 +232,16 @@ def _anchors(batch: int, count: int, low, high, gen: torch.Generator) -> torch.T
 
 def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, corpus: np.ndarray, *,
                   prompt_lens: torch.Tensor, new_tokens: int, steps: int, batch: int, blocks_per_seq: int,
-                  lr: float, device: torch.device, seed: int, log, decay: float = 7.0) -> list[dict]:
+                  lr: float, device: torch.device, seed: int, log, decay: float = 7.0,
+                  kl_weight: float = 0.0) -> list[dict]:
     """Half of every batch: `sequences` [num, S] (a prompt of `prompt_lens[i]` tokens + the target's greedy
     continuation of `new_tokens`, right-padded; anchors inside the continuation). Other half: corpus windows
     with teacher-forced target predictions as labels, kept only on the prefix where the corpus agrees with the
-    target's greedy choice, so every label used is exactly the target's greedy continuation from that anchor."""
+    target's greedy choice, so every label used is exactly the target's greedy continuation from that anchor.
+    Loss per draft slot: (1 - kl_weight) x cross-entropy on that label + kl_weight x KL(target || drafter), the
+    target's full next-token distribution at the same (teacher-forced, hence greedy) context."""
+    if not 0.0 <= kl_weight <= 1.0:
+        raise ValueError(f"kl_weight={kl_weight}: must lie in [0, 1]")
     gen = torch.Generator().manual_seed(seed)
     cfg = drafter.config
     w = cfg.block_size
@@ -260,7 +268,8 @@ def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor,
         anchors = torch.cat([_anchors(half, blocks_per_seq, greedy_lens - 1, greedy_lens + new_tokens - w, gen),
                              _anchors(batch - half, blocks_per_seq, 1, s - w, gen)]).to(device)
         with autocast(device):
-            feats, greedy_next = target_features(hf_target, tokens, cfg.target_layer_ids)
+            feats, greedy_next, *target_logits = target_features(hf_target, tokens, cfg.target_layer_ids,
+                                                                 with_logits=kl_weight > 0)
             hidden = draft_train_forward(drafter, embed, feats, tokens, anchors)
             logits = lm_head(hidden).float()  # [B, nb, W-1, V]
         label_pos = anchors[:, :, None] + offsets  # [B, nb, W-1] positions the drafts stand for
@@ -273,7 +282,14 @@ def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor,
         labels = torch.where(is_greedy, written, corpus_labels)
         valid = valid | is_greedy
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        weighted = ce.view_as(labels) * weights * valid
+        per_slot = ce.view_as(labels)
+        if kl_weight > 0:
+            # The target's distribution one position before each label: the context the draft slot stands in.
+            idx = (label_pos - 1).reshape(batch, -1, 1).expand(-1, -1, target_logits[0].shape[-1])
+            teacher = F.log_softmax(target_logits[0].float().gather(1, idx), dim=-1).view_as(logits)
+            kl = F.kl_div(F.log_softmax(logits, dim=-1), teacher, log_target=True, reduction="none").sum(-1)
+            per_slot = (1 - kl_weight) * per_slot + kl_weight * kl
+        weighted = per_slot * weights * valid
         loss = weighted.sum() / (weights * valid).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -77,7 +77,16 @@ def hidden_projection(spec: FeatureSpec, hidden_size: int) -> torch.Tensor:
 
 
 def confidence_features(draft_logits: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """draft_logits [N, P, V] -> [N, P * (num_ranks + 2)] (per position: top1, gaps, top1 logprob, entropy)."""
+    """draft_logits [N, P, V] -> [N, P * (num_ranks + 2)]: `confidence_features_ref`'s columns, on CUDA in one
+    fused Triton pass over the logits (`dscale_runtime.kernels.features`), elsewhere the reference itself."""
+    from dscale_runtime.kernels.features import confidence_features as routed
+
+    return routed(draft_logits, num_ranks)
+
+
+def confidence_features_ref(draft_logits: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """draft_logits [N, P, V] -> [N, P * (num_ranks + 2)] (per position: top1, gaps, top1 logprob, entropy):
+    the portable definition, and the oracle of the fused kernel."""
     logits = draft_logits.float()
     top = logits.topk(min(num_ranks, logits.shape[-1]), dim=-1).values  # [N, P, R]
     if top.shape[-1] < num_ranks:

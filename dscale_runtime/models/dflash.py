@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dscale_runtime.attention import AttentionMetadata
+from dscale_runtime.kernels import fused
 from dscale_runtime.models.config import DFlashConfig
 from dscale_runtime.models.layers import KVLayerCache, Qwen3DecoderLayer, RMSNorm, rope_cos_sin
 
@@ -28,6 +29,12 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.layers.rms_norm_eps)
         self.norm = RMSNorm(d, cfg.layers.rms_norm_eps)
+
+    def fuse_projections(self) -> "DFlashDraftModel":
+        """Fused q/k/v and gate/up weights in every draft layer (see Qwen3DecoderLayer.fuse_projections)."""
+        for layer in self.layers:
+            layer.fuse_projections()
+        return self
 
     def fuse_context(self, target_features: torch.Tensor) -> torch.Tensor:
         """Concatenated target layer outputs [T, L_t * d] -> fused context [T, d]."""
@@ -53,7 +60,7 @@ class DFlashDraftModel(nn.Module):
         meta: AttentionMetadata,  # causal=False, kv_lens = context + W
         caches: list[KVLayerCache],
     ) -> torch.Tensor:  # [N * W, d], final-normed hidden states of every block slot
-        x = block_embeds
+        x, delta = block_embeds, None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, meta, cache)
-        return self.norm(x)
+            x, delta = layer(x, meta, cache, delta)
+        return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]

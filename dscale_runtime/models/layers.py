@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dscale_runtime.attention import AttentionMetadata
-from dscale_runtime.kernels import paged_attention
+from dscale_runtime.kernels import fused, paged_attention
 from dscale_runtime.models.config import Qwen3Config
 
 
@@ -23,8 +23,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: normalise in fp32, cast back, then scale: the order transformers' Qwen3RMSNorm uses.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # NOTE: normalise in fp32, cast back, then scale: the order transformers' Qwen3RMSNorm uses
+        # (`kernels.fused.rms_norm_ref`; the Triton path on CUDA rounds at the same points).
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -65,23 +66,62 @@ class Qwen3Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias), see fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One [q + k + v, d] weight (one GEMM instead of three); q/k/v_proj become views into it, so the
+        Hugging Face parameter names and the memory stay as they were."""
+        if self.qkv is not None:
+            return
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight.detach() for p in projs])
+        bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
+        start = 0
+        for p in projs:
+            rows = p.weight.shape[0]
+            p.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+            start += rows
+        self.qkv = (weight, bias)
+
+    def _kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows x [T, d] -> (k, v) [T, KVH, D] before k_norm and RoPE."""
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        if self.qkv is None:
+            return self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        q_rows = self.num_heads * self.head_dim
+        weight, bias = self.qkv
+        kv = F.linear(x, weight[q_rows:], None if bias is None else bias[q_rows:])
+        k, v = kv.split(self.num_kv_heads * self.head_dim, dim=-1)
+        return k.view(shape), v.view(shape)
 
     def write_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVLayerCache,
                  cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Project rows x [T, d] to K/V (k_norm, RoPE at `positions`) and store them at `slots` [T]."""
         cos, sin = cos_sin or rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
-        k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
-        cache.k[slots] = apply_rope(k, cos, sin).to(cache.k.dtype)
-        cache.v[slots] = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim).to(cache.v.dtype)
+        k, v = self._kv(x)
+        self._store(k, v, cos, sin, slots, cache)
+
+    def _store(self, k, v, cos, sin, slots, cache: KVLayerCache) -> None:
+        cache.k[slots] = fused.qk_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps).to(cache.k.dtype)
+        cache.v[slots] = v.to(cache.v.dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVLayerCache) -> torch.Tensor:
         key = (self.head_dim, self.rope_theta, x.dtype)
         if key not in meta.rope:  # NOTE: computed once per forward, shared by every layer of that shape
             meta.rope[key] = rope_cos_sin(meta.positions, self.head_dim, self.rope_theta, x.dtype)
         cos, sin = meta.rope[key]
-        q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
-        q = apply_rope(q, cos, sin)
-        self.write_kv(x, meta.positions, meta.slot_mapping, cache, (cos, sin))
+        if self.qkv is None:
+            q = self.q_proj(x)
+            k, v = self._kv(x)
+        else:
+            q, k, v = F.linear(x, *self.qkv).split(
+                [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
+            k, v = k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
+        q = fused.qk_norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_norm.weight, cos, sin,
+                               self.q_norm.eps)
+        self._store(k, v, cos, sin, meta.slot_mapping, cache)
         out = paged_attention(q, cache.k, cache.v, meta, cache.page_size, self.scale)
         return self.o_proj(out.reshape(x.shape[0], -1).to(x.dtype))
 
@@ -92,9 +132,22 @@ class Qwen3MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # fused [2 I, d] weight, see fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One [gate + up, d] weight; gate/up_proj become views into it (names and memory unchanged)."""
+        if self.gate_up is not None:
+            return
+        weight = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        rows = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight = nn.Parameter(weight[:rows], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(weight[rows:], requires_grad=False)
+        self.gate_up = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.silu_mul(F.linear(x, self.gate_up)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -105,6 +158,17 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVLayerCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def fuse_projections(self) -> None:
+        self.self_attn.fuse_projections()
+        self.mlp.fuse_projections()
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVLayerCache,
+                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream x [T, d] (plus the previous layer's pending output `delta`, added here in the
+        same pass as this layer's input norm) -> (residual stream, this layer's pending MLP output): the
+        layer's output is their sum, left to the next layer (or the caller) to add."""
+        norm = self.input_layernorm
+        x, h = (x, norm(x)) if delta is None else fused.add_rms_norm(x, delta, norm.weight, norm.eps)
+        norm = self.post_attention_layernorm
+        x, h = fused.add_rms_norm(x, self.self_attn(h, meta, cache), norm.weight, norm.eps)
+        return x, self.mlp(h)

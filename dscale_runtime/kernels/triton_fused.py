@@ -1,0 +1,376 @@
+"""Triton kernels for the Qwen3 layer's elementwise work: RMSNorm (alone and after the residual add), q/k norm
+with RoPE, and SiLU-and-multiply. Each replaces several torch launches by one and rounds where torch rounds.
+
+Every value is computed in fp32 and rounded to the tensor dtype at the points where the torch sequence of
+`fused.py`'s references stores a tensor, so the elementwise arithmetic is bit-identical. What can differ:
+- the fp32 sum of squares of a norm is reduced in another order than torch's (torch's CPU and CUDA kernels
+  differ from each other too), so on general inputs its last bits may differ. A 16-bit output then moves by
+  at most 1 ulp on the normalised value and 1 more through the weight's product (2 ulps), an fp32 output by
+  a few ulps; RoPE's sum may cancel, so its error is bounded by the ulps of its two terms. When the sum of
+  squares is exact in any order the norms are bit-identical (the tests use such inputs to check every
+  rounding point). In practice bf16 rows rarely differ at all: the squares of bf16 values sum almost exactly;
+- `exp` in SiLU is CUDA's `expf` (libdevice) on the GPU, as torch's kernel uses, but numpy's in the
+  interpreter, which differs from torch's CPU `exp` in the last fp32 bit (bf16 results still agree: every
+  bf16 input checked).
+Division is IEEE-rounded (`div_rn`, not Triton's approximate `/`), 1/sqrt is `rsqrt` (on the GPU the
+hardware approximation that torch's CUDA rms_norm also uses, `rsqrtf`; in the interpreter 1/sqrt rounded
+twice, as torch's CPU path), and fp32 multiply-adds are never fused into FMAs (`enable_fp_fusion=False`).
+fp32 -> bf16 rounding is written out in integer arithmetic (round to nearest even), because the
+interpreter's conversion truncates (it also mishandles bf16 subnormals, which the CPU tests avoid). Grids
+depend on shapes only: every launch is safe to capture in a CUDA graph.
+
+This module imports triton at import time: import it only through `dscale_runtime.kernels.fused`, which does
+so lazily. CUDA tensors run the compiled kernels; with TRITON_INTERPRET=1 set before triton is imported, the
+kernels run in Triton's interpreter, on CPU tensors too (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LAUNCH = {"enable_fp_fusion": False}  # NOTE: x*a + y*b must round both products, as torch does
+MAX_DIM = 8192  # longest normalised row: one program holds a whole row in registers
+ELEMENTS_PER_PROGRAM = 2048  # rows of short norms, heads of q/k and SiLU columns are grouped up to this
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE (to nearest, ties to even) and widened back: what a torch op's store does."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        return tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # NaN stays NaN
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _inv_rms(sum_sq, n: tl.constexpr, eps):
+    """1 / sqrt(mean + eps) as torch computes it: sum / n rounded, plus eps rounded, then rsqrt."""
+    return tl.math.rsqrt(tl.math.div_rn(sum_sq, n * 1.0) + eps)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, Delta, W, Sum, Out,  # x, delta, sum, out [T, d] (delta and sum only with HAS_DELTA); weight [d]
+    num_rows, stride_x, stride_delta, stride_sum, stride_out, eps,
+    DIM: tl.constexpr,  # d
+    BLOCK_D: tl.constexpr,  # d rounded up to a power of two
+    ROWS: tl.constexpr,  # rows per program
+    HAS_DELTA: tl.constexpr,  # add_rms_norm: normalise x + delta, and store that sum
+):
+    DTYPE: tl.constexpr = Out.dtype.element_ty
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < num_rows)[:, None] & (cols < DIM)[None, :]  # [ROWS, BLOCK_D]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        delta = tl.load(Delta + rows[:, None] * stride_delta + cols[None, :], mask=mask, other=0.0)
+        x = _round(x + delta.to(tl.float32), DTYPE)
+        tl.store(Sum + rows[:, None] * stride_sum + cols[None, :], x.to(DTYPE), mask=mask)
+    inv = _inv_rms(tl.sum(x * x, 1), DIM, eps)  # [ROWS]
+    w = tl.load(W + cols, mask=cols < DIM, other=0.0).to(tl.float32)
+    out = _round(w[None, :] * _round(x * inv[:, None], DTYPE), DTYPE)
+    tl.store(Out + rows[:, None] * stride_out + cols[None, :], out.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    X, W, Cos, Sin, Out,  # x [T, H, D] (any row and head strides); weight [D]; cos, sin [T, D]; out [T, H, D]
+    num_heads, stride_xt, stride_xh, stride_ct, stride_st, stride_ot, stride_oh, eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # HEAD_DIM / 2 rounded up to a power of two
+    HEADS: tl.constexpr,  # heads per program
+):
+    DTYPE: tl.constexpr = Out.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS]
+    offs = tl.arange(0, BLOCK_HALF)
+    half_ok = offs < HALF
+    mask = (heads < num_heads)[:, None] & half_ok[None, :]  # [HEADS, BLOCK_HALF]
+    # NOTE: each head is read as its two halves, so rotate-half pairs element j with element j of the other
+    # half in registers (no shuffles, no second read).
+    x_ptrs = X + t * stride_xt + heads[:, None] * stride_xh + offs[None, :]
+    lo = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # [HEADS, BLOCK_HALF]
+    hi = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    inv = _inv_rms(tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1), HEAD_DIM, eps)[:, None]  # [HEADS, 1]
+    w_lo = tl.load(W + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    w_hi = tl.load(W + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    lo = _round(w_lo * _round(lo * inv, DTYPE), DTYPE)  # q_norm / k_norm output
+    hi = _round(w_hi * _round(hi * inv, DTYPE), DTYPE)
+    cos_lo = tl.load(Cos + t * stride_ct + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    cos_hi = tl.load(Cos + t * stride_ct + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    sin_lo = tl.load(Sin + t * stride_st + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    sin_hi = tl.load(Sin + t * stride_st + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    out_lo = _round(_round(lo * cos_lo, DTYPE) + _round(-hi * sin_lo, DTYPE), DTYPE)  # x*cos + rotate_half(x)*sin
+    out_hi = _round(_round(hi * cos_hi, DTYPE) + _round(lo * sin_hi, DTYPE), DTYPE)
+    o_ptrs = Out + t * stride_ot + heads[:, None] * stride_oh + offs[None, :]
+    tl.store(o_ptrs, out_lo.to(DTYPE), mask=mask)
+    tl.store(o_ptrs + HALF, out_hi.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    GateUp, Out,  # gate_up [T, 2I] (gate, then up); out [T, I]
+    inter, stride_g, stride_o,
+    BLOCK: tl.constexpr,  # columns per program
+    INTERPRET: tl.constexpr,  # Triton's interpreter has no libdevice
+):
+    DTYPE: tl.constexpr = Out.dtype.element_ty
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(GateUp + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(GateUp + t * stride_g + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if INTERPRET:
+        e = tl.exp(-gate)
+    else:
+        e = libdevice.exp(-gate)  # NOTE: CUDA's expf, as torch's silu; tl.exp is the approximate ex2 path
+    silu = _round(tl.math.div_rn(gate, 1.0 + e), DTYPE)
+    tl.store(Out + t * stride_o + cols, _round(silu * up, DTYPE).to(DTYPE), mask=mask)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    return not isinstance(_silu_mul_kernel, triton.runtime.JITFunction)
+
+
+def _warps(elements: int) -> int:
+    return max(1, min(16, elements // 512))
+
+
+def rms_norm_config(dim: int) -> dict:
+    """Compile-time arguments and warps of `_rms_norm_kernel` for rows of `dim` (static sizes only)."""
+    assert 1 <= dim <= MAX_DIM, f"rms_norm over {dim} features: at most {MAX_DIM}"
+    block = triton.next_power_of_2(dim)
+    rows = max(1, ELEMENTS_PER_PROGRAM // block)
+    return {"DIM": dim, "BLOCK_D": block, "ROWS": rows, "num_warps": _warps(rows * block)}
+
+
+def qk_norm_rope_config(num_heads: int, head_dim: int) -> dict:
+    """Compile-time arguments and warps of `_qk_norm_rope_kernel` (static sizes only)."""
+    assert head_dim % 2 == 0, f"RoPE needs an even head_dim, got {head_dim}"
+    block_half = triton.next_power_of_2(head_dim // 2)
+    heads = min(triton.next_power_of_2(num_heads), max(1, ELEMENTS_PER_PROGRAM // (2 * block_half)))
+    return {"HEAD_DIM": head_dim, "BLOCK_HALF": block_half, "HEADS": heads,
+            "num_warps": _warps(2 * heads * block_half)}
+
+
+def silu_mul_config(inter: int) -> dict:
+    """Compile-time arguments and warps of `_silu_mul_kernel` (static sizes only)."""
+    block = min(triton.next_power_of_2(inter), ELEMENTS_PER_PROGRAM)
+    return {"BLOCK": block, "INTERPRET": interpreted(), "num_warps": _warps(block)}
+
+
+def _check(x: torch.Tensor, *others: torch.Tensor) -> None:
+    assert x.dtype in _DTYPES, f"fused kernels take {_DTYPES}, got {x.dtype}"
+    for other in others:
+        assert other.dtype == x.dtype and other.device == x.device, (x.dtype, other.dtype, x.device, other.device)
+    if not x.is_cuda and not interpreted():
+        raise RuntimeError("Triton fused kernels on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is imported, or use DSCALE_FUSED=ref")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, features] with unit feature stride (a view when possible)."""
+    x = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _out(like: torch.Tensor, out: torch.Tensor | None, shape) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    assert out.shape == torch.Size(shape) and out.dtype == like.dtype and out.device == like.device, out.shape
+    assert out.is_contiguous() or out.dim() == 2 and out.stride(-1) == 1, "out needs unit feature stride"
+    return out
+
+
+def _norm_launch(x, delta, weight, eps, out, sum_out):
+    _check(x, weight, *(t for t in (delta, out, sum_out) if t is not None))
+    dim = x.shape[-1]
+    assert weight.shape == (dim,) and weight.is_contiguous(), weight.shape
+    out = _out(x, out, x.shape)
+    rows, out2 = _rows(x), out.view(-1, dim)
+    if delta is not None:
+        assert delta.shape == x.shape, (delta.shape, x.shape)
+        sum_out = _out(x, sum_out, x.shape)
+        delta2, sum2 = _rows(delta), sum_out.view(-1, dim)
+    else:
+        delta2 = sum2 = rows  # unused (HAS_DELTA=False)
+    if rows.shape[0] == 0:
+        return out, sum_out
+    consts = rms_norm_config(dim)
+    grid = (triton.cdiv(rows.shape[0], consts["ROWS"]),)
+    _rms_norm_kernel[grid](rows, delta2, weight, sum2, out2, rows.shape[0], rows.stride(0), delta2.stride(0),
+                           sum2.stride(0), out2.stride(0), eps, HAS_DELTA=delta is not None, **consts, **_LAUNCH)
+    return out, sum_out
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # [..., d]
+    weight: torch.Tensor,  # [d]
+    eps: float,
+    out: torch.Tensor | None = None,  # [..., d]; may be x itself
+) -> torch.Tensor:  # [..., d]
+    """`weight * rms_norm(x.float()).to(x.dtype)` over the last dim, one launch."""
+    return _norm_launch(x, None, weight, eps, out, None)[0]
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor,  # [T, d]
+    delta: torch.Tensor,  # [T, d]
+    weight: torch.Tensor,  # [d]
+    eps: float,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (sum [T, d], normed [T, d]); the sum may be x
+) -> tuple[torch.Tensor, torch.Tensor]:  # x + delta [T, d], rms_norm(x + delta) [T, d]
+    """The residual add and the next RMSNorm in one pass: the sum is rounded to the dtype, then normalised."""
+    sum_out, norm_out = out if out is not None else (None, None)
+    norm_out, sum_out = _norm_launch(x, delta, weight, eps, norm_out, sum_out)
+    return sum_out, norm_out
+
+
+def qk_norm_rope_triton(
+    x: torch.Tensor,  # [T, H, D]; any row and head strides (a view of the fused qkv projection)
+    weight: torch.Tensor,  # [D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    eps: float,
+    out: torch.Tensor | None = None,  # [T, H, D] with unit last stride; may be x itself
+) -> torch.Tensor:  # [T, H, D]
+    """apply_rope(rms_norm over D (q_norm / k_norm), cos, sin) in one launch, reading x where it lies."""
+    _check(x, weight, cos, sin, *(t for t in (out,) if t is not None))
+    num_rows, num_heads, head_dim = x.shape
+    assert weight.shape == (head_dim,) and weight.is_contiguous(), weight.shape
+    assert cos.shape == sin.shape == (num_rows, head_dim), (cos.shape, sin.shape, x.shape)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1, (out.shape, out.stride())
+    if num_rows == 0:
+        return out
+    consts = qk_norm_rope_config(num_heads, head_dim)
+    grid = (num_rows, triton.cdiv(num_heads, consts["HEADS"]))
+    _qk_norm_rope_kernel[grid](x, weight, cos, sin, out, num_heads, x.stride(0), x.stride(1), cos.stride(0),
+                               sin.stride(0), out.stride(0), out.stride(1), eps, **consts, **_LAUNCH)
+    return out
+
+
+def silu_mul_triton(
+    gate_up: torch.Tensor,  # [T, 2I]: gate columns, then up columns
+    out: torch.Tensor | None = None,  # [T, I]
+) -> torch.Tensor:  # [T, I]
+    """silu(gate) * up, rounded where torch rounds, in one launch."""
+    _check(gate_up, *(t for t in (out,) if t is not None))
+    num_rows, width = gate_up.shape
+    assert width % 2 == 0, f"gate_up needs 2 * intermediate columns, got {width}"
+    inter = width // 2
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    out = _out(gate_up, out, (num_rows, inter))
+    if num_rows == 0 or inter == 0:
+        return out
+    consts = silu_mul_config(inter)
+    grid = (num_rows, triton.cdiv(inter, consts["BLOCK"]))
+    _silu_mul_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), **consts, **_LAUNCH)
+    return out
+
+
+_KERNELS = {"rms_norm": _rms_norm_kernel, "qk_norm_rope": _qk_norm_rope_kernel, "silu_mul": _silu_mul_kernel}
+
+
+def compile_offline(kernel: str, dtype: torch.dtype, arch: int = 90, **sizes):
+    """Compile one kernel for an NVIDIA target without a GPU (Triton's bundled ptxas), with the wrappers' launch
+    options: a CI check of the compiled path. `kernel` and its sizes: 'rms_norm' (dim, add: bool),
+    'qk_norm_rope' (num_heads, head_dim), 'silu_mul' (inter). Needs triton imported without TRITON_INTERPRET."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    assert not interpreted(), "compile_offline needs triton imported without TRITON_INTERPRET"
+    if kernel == "rms_norm":
+        consts = {**rms_norm_config(sizes["dim"]), "HAS_DELTA": bool(sizes.get("add", False))}
+    elif kernel == "qk_norm_rope":
+        consts = qk_norm_rope_config(sizes["num_heads"], sizes["head_dim"])
+    else:
+        consts = silu_mul_config(sizes["inter"])
+    options = {"num_warps": consts.pop("num_warps"), **_LAUNCH}
+    elem = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    fn = _KERNELS[kernel]
+    signature = {n: "constexpr" if n in consts else elem if n[0].isupper() else "fp32" if n == "eps" else "i32"
+                 for n in fn.arg_names}
+    # NOTE: as the JIT launcher does for 16-aligned pointers and 16-divisible strides (Qwen3 sizes), say so:
+    # it decides the vector width of the loads.
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+             if signature[n].startswith("*") or n.startswith("stride") or n == "inter"}
+    return triton.compile(ASTSource(fn, signature, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def bench(rows: tuple[int, ...] = (16, 512), dtype: torch.dtype = torch.bfloat16, hidden: int = 4096,
+          num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, inter: int = 12288,
+          calls: int = 50, repeats: int = 20) -> list[dict]:
+    """Microseconds per call of each op through Triton and through its reference, on CUDA at Qwen3-8B sizes:
+    `calls` back-to-back calls captured in one CUDA graph (as the verify forward runs), each replay timed with
+    CUDA events, median over `repeats`. Needs a CUDA device."""
+    import statistics
+
+    from dscale_runtime.kernels import fused
+
+    assert torch.cuda.is_available(), "bench needs a CUDA device"
+    eps, gen = 1e-6, torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    def per_call_us(fn) -> float:
+        fn()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        samples = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / calls)
+        return statistics.median(samples)
+
+    results = []
+    for t in rows:
+        x, delta, weight, head_w = randn(t, hidden), randn(t, hidden), randn(hidden), randn(head_dim)
+        qkv = randn(t, (num_heads + 2 * num_kv_heads) * head_dim)  # the fused projection's output
+        q = qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
+        k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(t, num_kv_heads, head_dim)
+        cos, sin, gate_up = randn(t, head_dim), randn(t, head_dim), randn(t, 2 * inter)
+        ops = {
+            "rms_norm": (lambda: rms_norm_triton(x, weight, eps), lambda: fused.rms_norm_ref(x, weight, eps)),
+            "add_rms_norm": (lambda: add_rms_norm_triton(x, delta, weight, eps),
+                             lambda: fused.add_rms_norm_ref(x, delta, weight, eps)),
+            "q_norm_rope": (lambda: qk_norm_rope_triton(q, head_w, cos, sin, eps),
+                            lambda: fused.qk_norm_rope_ref(q, head_w, cos, sin, eps)),
+            "k_norm_rope": (lambda: qk_norm_rope_triton(k, head_w, cos, sin, eps),
+                            lambda: fused.qk_norm_rope_ref(k, head_w, cos, sin, eps)),
+            "silu_mul": (lambda: silu_mul_triton(gate_up), lambda: fused.silu_mul_ref(gate_up)),
+        }
+        for name, (fast, ref) in ops.items():
+            fast_us, ref_us = per_call_us(fast), per_call_us(ref)
+            results.append({"op": name, "rows": t, "triton_us": round(fast_us, 2), "ref_us": round(ref_us, 2),
+                            "speedup": round(ref_us / fast_us, 2)})
+    return results
+
+
+if __name__ == "__main__":
+    for row in bench():
+        print(row)

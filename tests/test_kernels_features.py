@@ -1,0 +1,263 @@
+"""Triton confidence features against the reference `dscale_runtime.dvl.features.confidence_features_ref`, and the router.
+
+The kernel cases run through Triton's interpreter on CPU machines with triton installed (conftest sets
+TRITON_INTERPRET=1 when there is no CUDA device), and compiled on CUDA (marker `gpu`, at Qwen3's vocabulary and
+in a CUDA graph). Every kernel call writes into a NaN-poisoned output. The reference runs in fp32 on the same
+(upcast) values: top1 and the gaps must equal its values exactly, the log-probability and entropy agree within
+rtol 1e-4 / atol 1e-5 with it (rows of finite logits up to 100) and with a float64 oracle (every row).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dscale_runtime.dvl.features import confidence_features_ref
+from dscale_runtime.kernels import triton_available
+from dscale_runtime.kernels.features import confidence_features, features_backend
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
+RANKS = 16
+QWEN3_VOCAB = 151936
+
+
+def random_logits(rows: int, vocab: int, seed: int, scale: float = 4.0, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, vocab, generator=gen) * scale).to(dtype).to(device)
+
+
+def oracle(logits: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Per row [R, num_ranks + 2]: top1 and the gaps from the reference on the fp32 upcast; the log-probability
+    and entropy of the same values in float64, with 0 * log 0 = 0. NOTE: the reference's own fp32 columns are
+    NaN (entropy) for rows with -inf logits, and lose ~1e-4 (logprob) at logits ~1000 (one ulp is 6e-5)."""
+    x = logits.float()
+    want = confidence_features_ref(x.unsqueeze(1), num_ranks)
+    log_p = torch.log_softmax(x.double(), dim=-1)
+    entropy = -(log_p.exp() * torch.where(log_p.isfinite(), log_p, 0.0)).sum(-1)
+    return torch.cat([want[:, :num_ranks], log_p.max(-1).values[:, None].float(), entropy[:, None].float()], -1)
+
+
+def run_triton(logits: torch.Tensor, num_ranks: int, config: dict | None = None) -> torch.Tensor:
+    from dscale_runtime.kernels.triton_features import confidence_features_triton
+
+    out = torch.full((logits.shape[0], num_ranks + 2), float("nan"), device=logits.device)
+    result = confidence_features_triton(logits, num_ranks, out=out, config=config)
+    assert result.data_ptr() == out.data_ptr()
+    return out
+
+
+def check(got: torch.Tensor, logits: torch.Tensor, num_ranks: int = RANKS, rtol: float = 1e-4, atol: float = 1e-5):
+    want = oracle(logits, num_ranks)
+    assert not got.isnan().any(), "unwritten or NaN outputs"
+    # top1 and the gaps are exact (the same fp32 values, the same subtraction); inf gaps below -inf ranks.
+    torch.testing.assert_close(got[:, :num_ranks], want[:, :num_ranks], rtol=0, atol=0)
+    torch.testing.assert_close(got[:, num_ranks:], want[:, num_ranks:], rtol=rtol, atol=atol)
+    plain = logits.float().isfinite().all(-1) & (logits.float().abs().amax(-1) <= 100)
+    reference = confidence_features_ref(logits.float().unsqueeze(1), num_ranks)  # [R, num_ranks + 2]
+    torch.testing.assert_close(got[plain], reference[plain], rtol=rtol, atol=atol)
+
+
+# ------------------------------------------------------------------------------------ interpreter (CPU)
+@needs_triton
+@pytest.mark.parametrize("rows, vocab, config", [
+    (3, 17, None),  # just above the rank count
+    (2, RANKS, None),  # exactly the rank count
+    (2, 4096, None),  # one full chunk
+    (2, 5000, None),  # a full chunk and a partial one
+    (1, 20000, None),  # five chunks, the last partial
+    (2, 20000, {"TILES": 4}),  # the tile loop: a full 16,384 chunk and a partial one
+    (2, 3000, {"GROUPS": 64, "ROWS": 4, "TILES": 2}),  # small groups: 6 chunks of 512
+], ids=str)
+def test_triton_matches_reference_fp32(rows, vocab, config):
+    logits = random_logits(rows, vocab, seed=vocab + rows)
+    check(run_triton(logits, RANKS, config), logits)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_matches_reference_16bit(dtype):
+    """16-bit logits: the reference sees the same values upcast; bf16 makes many exact ties."""
+    logits = random_logits(3, 5000, seed=7, dtype=dtype)
+    check(run_triton(logits, RANKS), logits)
+
+
+@needs_triton
+def test_planted_ties_and_spikes():
+    """Ties inside the top 16 (within one group, across groups and chunks), a peaked row (entropy ~ 0), a row
+    whose top value appears 20 times (gaps all 0) and one with 5 values above thousands of ties."""
+    logits = random_logits(4, 9000, seed=3)
+    top = logits[0].max().item()
+    logits[0, [5, 517, 4200, 8999]] = top + 1.0  # four equal maxima: 5 and 517 share a group, three chunks
+    logits[0, [6, 7, 1030]] = top + 0.5  # three equal seconds: neighbours in a tile row, one in 6's group
+    logits[1, 123] = logits[1].max() + 40.0  # a single dominant token: entropy and -logprob ~ 1e-13
+    logits[2, torch.arange(20) * 449] = logits[2].max() + 2.0  # 20 copies of the top value
+    logits[3] = logits[3].clamp(max=2.0)  # ~2,800 values tie at 2.0: the 16th largest group maximum is shared
+    logits[3, [100, 612, 4094, 4095, 4096]] = 3.0  # above them: two in one group, three across a chunk boundary
+    check(run_triton(logits, RANKS), logits)
+
+
+@needs_triton
+def test_constant_rows_and_large_magnitudes():
+    """All-equal rows (gaps 0, logprob -log V, entropy log V) and logits of +-30 and shifted by 1000."""
+    vocab = 4096 + 700
+    logits = torch.cat([
+        torch.zeros(1, vocab), torch.full((1, vocab), -7.25),
+        random_logits(2, vocab, seed=11, scale=30.0),
+        random_logits(1, vocab, seed=12, scale=30.0) + 1000.0,
+        random_logits(1, vocab, seed=13, scale=30.0) - 1000.0,
+    ])
+    got = run_triton(logits, RANKS)
+    check(got, logits)
+    log_v = torch.tensor(float(vocab)).log().item()
+    for r in (0, 1):
+        assert got[r, 1:RANKS].eq(0).all()
+        assert got[r, RANKS].item() == pytest.approx(-log_v, rel=1e-6)
+        assert got[r, RANKS + 1].item() == pytest.approx(log_v, rel=1e-6)
+
+
+@needs_triton
+def test_minus_inf_logits():
+    """-inf logits (masked tokens) anywhere but at rank 1: infinite gaps where fewer than 16 values are finite,
+    chunks and groups with no finite value at all; and masking by the lowest finite float instead."""
+    logits = random_logits(4, 9000, seed=5)
+    logits[0, ::3] = float("-inf")
+    logits[3, ::3] = logits[3, 1::3] = torch.finfo(torch.float32).min  # masking by the lowest finite value
+    logits[1, :] = float("-inf")
+    logits[1, [10, 4500, 8999]] = torch.tensor([1.0, 1.0, -2.0])  # 3 finite values: 13 gaps are inf
+    logits[2, 4096:] = float("-inf")  # the second and third chunks have nothing finite
+    got = run_triton(logits, RANKS)
+    check(got, logits)
+    assert got[1, 3:RANKS].isinf().all() and got[1, RANKS + 1].isfinite()
+
+
+@needs_triton
+@pytest.mark.parametrize("num_ranks", [1, 5, 32])
+def test_other_rank_counts(num_ranks):
+    logits = random_logits(2, 3000, seed=num_ranks)
+    check(run_triton(logits, num_ranks), logits, num_ranks)
+
+
+@needs_triton
+def test_strided_rows_and_empty_batch():
+    """Rows with a padded stride (a slice of a wider buffer) and zero rows."""
+    wide = random_logits(3, 5000 + 64, seed=9)
+    logits = wide[:, :5000]
+    assert logits.stride(0) == 5064
+    check(run_triton(logits, RANKS), logits)
+    assert run_triton(wide[:0], RANKS).shape == (0, RANKS + 2)
+
+
+@needs_triton
+def test_compiles_for_sm90_without_spills():
+    """The compiled path (not the interpreter): both kernels build for an H200 at the default launch sizes
+    of small and large batches, without register spills."""
+    script = """
+import os, subprocess, tempfile, torch, triton
+from dscale_runtime.kernels.triton_features import compile_offline
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for dtype, rows in [(torch.bfloat16, 15), (torch.bfloat16, 960), (torch.float32, 960)]:
+    for kernel in compile_offline(dtype, rows):
+        usage = "?"
+        if os.path.exists(tool):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kernel.asm["cubin"]); f.flush()
+                usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+                usage = next(x for x in usage.split() if x.startswith("STACK:"))
+        print(str(dtype).split(".")[1], rows, usage)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    print(done.stdout)
+    lines = [line for line in done.stdout.split("\n") if line]
+    assert len(lines) == 6 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
+
+
+# ------------------------------------------------------------------------------------------- router
+def test_router_on_cpu_is_exactly_the_reference(monkeypatch):
+    monkeypatch.delenv("DSCALE_FEATURES", raising=False)
+    logits = random_logits(2 * 3, 500, seed=1).view(2, 3, 500)
+    assert features_backend(logits, RANKS) == "ref"
+    assert torch.equal(confidence_features(logits, RANKS), confidence_features_ref(logits, RANKS))
+
+
+@needs_triton
+def test_router_env_override(monkeypatch):
+    logits = random_logits(2 * 3, 700, seed=2).view(2, 3, 700)
+    want = confidence_features_ref(logits, RANKS)
+    monkeypatch.setenv("DSCALE_FEATURES", "triton")
+    assert features_backend(logits, RANKS) == "triton"
+    got = confidence_features(logits, RANKS)
+    assert got.shape == want.shape == (2, 3 * (RANKS + 2)) and got.isfinite().all()
+    check(got.view(6, RANKS + 2), logits.view(6, 700))
+    assert torch.equal(confidence_features(logits, RANKS, backend="ref"), want)  # the argument wins
+    monkeypatch.setenv("DSCALE_FEATURES", "ref")
+    assert torch.equal(confidence_features(logits, RANKS), want)
+    # Toy vocabularies smaller than the rank count always take the reference (it pads the missing ranks).
+    toy = random_logits(2, 10, seed=3).view(1, 2, 10)
+    assert features_backend(toy, RANKS, backend="triton") == "ref"
+    assert torch.equal(confidence_features(toy, RANKS, backend="triton"), confidence_features_ref(toy, RANKS))
+
+
+def test_router_rejects_bad_values(monkeypatch):
+    logits = torch.zeros(1, 2, 32)
+    monkeypatch.setenv("DSCALE_FEATURES", "fast")
+    with pytest.raises(ValueError, match=r"DSCALE_FEATURES='fast'.*auto, ref, triton"):
+        confidence_features(logits, RANKS)
+    monkeypatch.delenv("DSCALE_FEATURES")
+    with pytest.raises(ValueError, match=r"backend='cuda'.*auto, ref, triton"):
+        confidence_features(logits, RANKS, backend="cuda")
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows", [8 * 15, 64 * 15])
+def test_cuda_matches_reference_at_qwen3_vocab(rows, dtype):
+    logits = random_logits(rows, QWEN3_VOCAB, seed=rows, dtype=dtype, device="cuda")
+    logits[0, 1000:1000 + 40] = logits[0].max()  # 40 tied maxima
+    logits[1, 77] = logits[1].max() + 40.0  # a peaked row
+    check(run_triton(logits, RANKS), logits)
+    routed = confidence_features(logits.view(rows // 15, 15, QWEN3_VOCAB), RANKS, backend="triton")
+    from dscale_runtime.kernels import features
+
+    assert features_backend(logits, RANKS) == ("triton" if features.AUTO_TRITON else "ref")
+    check(routed.view(rows, RANKS + 2), logits)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_replay_follows_the_logits():
+    """Captured once, replayed over new logits copied into the captured buffer: no host read in the launch."""
+    rows = 8 * 15
+    static = random_logits(rows, QWEN3_VOCAB, seed=0, dtype=torch.bfloat16, device="cuda").view(8, 15, -1)
+    confidence_features(static, RANKS)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = confidence_features(static, RANKS)
+    for seed in range(1, 4):
+        new = random_logits(rows, QWEN3_VOCAB, seed=seed, scale=2.0 * seed, dtype=torch.bfloat16, device="cuda")
+        static.copy_(new.view_as(static))
+        out.fill_(float("nan"))
+        graph.replay()
+        check(out.view(rows, RANKS + 2), new)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bench_runs():
+    from dscale_runtime.kernels.triton_features import bench
+
+    for rows in (15, 8 * 15, 64 * 15):
+        for dtype in (torch.bfloat16, torch.float32):
+            fast, ref = bench(rows, QWEN3_VOCAB, dtype, iters=10)
+            print(f"rows {rows} {dtype}: triton {fast:.4f} ms, reference {ref:.4f} ms")
+            assert 0 < fast and 0 < ref
