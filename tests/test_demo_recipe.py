@@ -111,3 +111,18 @@ def test_tiny_recipe_end_to_end(tiny_pair):
     got = Engine.from_pretrained(out / "target", out / "drafter", config=EngineConfig(mode="dflash")).generate(
         prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_draft_slot_loss_mixes_cross_entropy_and_kl():
+    from dscale_runtime.demo.train import draft_slot_loss
+
+    gen = torch.Generator().manual_seed(0)
+    logits, teacher = torch.randn(3, 5, 11, generator=gen), torch.randn(3, 5, 11, generator=gen)
+    labels = teacher.argmax(-1)
+    ce = -torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    p = torch.softmax(teacher, -1)
+    kl = (p * (p.log() - torch.log_softmax(logits, -1))).sum(-1)
+    torch.testing.assert_close(draft_slot_loss(logits, labels, None, 0.0), ce)
+    torch.testing.assert_close(draft_slot_loss(logits, labels, teacher, 1.0), kl)
+    torch.testing.assert_close(draft_slot_loss(logits, labels, teacher, 0.25), 0.75 * ce + 0.25 * kl)
+    assert draft_slot_loss(teacher, labels, teacher, 1.0).abs().max() < 1e-6  # the teacher itself: no KL

@@ -284,7 +284,7 @@ def stage_drafter(r: DemoRecipe, out: Path, report: dict) -> None:
     t0 = time.time()
     sequences, prompt_lens = cached_sequences(r, out)
     gen_seconds = time.time() - t0
-    _log(f"generated {tuple(sequences.shape)} greedy sequences in {gen_seconds:.0f} s")
+    _log(f"greedy sequences {tuple(sequences.shape)} in {gen_seconds:.0f} s (generated or from greedy_cache)")
     tok_json = json.loads((out / "target" / "tokenizer.json").read_text())
     mask_id = next(t["id"] for t in tok_json["added_tokens"] if t["content"] == MASK_TOKEN)
     tcfg = load_target_config(out / "target")

@@ -230,6 +230,18 @@ def _anchors(batch: int, count: int, low, high, gen: torch.Generator) -> torch.T
     return torch.stack(picks).sort(dim=1).values
 
 
+def draft_slot_loss(logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None,
+                    kl_weight: float) -> torch.Tensor:
+    """Per draft slot [...]: (1 - kl_weight) x cross-entropy of `logits` [..., V] on `labels` [...] +
+    kl_weight x KL(softmax(teacher_logits) || softmax(logits)) (teacher needed when kl_weight > 0)."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    if kl_weight == 0:
+        return ce.view_as(labels)
+    teacher = F.log_softmax(teacher_logits.float(), dim=-1)
+    kl = F.kl_div(F.log_softmax(logits.float(), dim=-1), teacher, log_target=True, reduction="none").sum(-1)
+    return (1 - kl_weight) * ce.view_as(labels) + kl_weight * kl
+
+
 def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor, corpus: np.ndarray, *,
                   prompt_lens: torch.Tensor, new_tokens: int, steps: int, batch: int, blocks_per_seq: int,
                   lr: float, device: torch.device, seed: int, log, decay: float = 7.0,
@@ -281,15 +293,12 @@ def train_drafter(drafter: DFlashDraftModel, hf_target, sequences: torch.Tensor,
         is_greedy = (torch.arange(batch, device=device) < half)[:, None, None]
         labels = torch.where(is_greedy, written, corpus_labels)
         valid = valid | is_greedy
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        per_slot = ce.view_as(labels)
+        teacher = None
         if kl_weight > 0:
             # The target's distribution one position before each label: the context the draft slot stands in.
             idx = (label_pos - 1).reshape(batch, -1, 1).expand(-1, -1, target_logits[0].shape[-1])
-            teacher = F.log_softmax(target_logits[0].float().gather(1, idx), dim=-1).view_as(logits)
-            kl = F.kl_div(F.log_softmax(logits, dim=-1), teacher, log_target=True, reduction="none").sum(-1)
-            per_slot = (1 - kl_weight) * per_slot + kl_weight * kl
-        weighted = per_slot * weights * valid
+            teacher = target_logits[0].gather(1, idx).view_as(logits)
+        weighted = draft_slot_loss(logits, labels, teacher, kl_weight) * weights * valid
         loss = weighted.sum() / (weights * valid).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
