@@ -405,6 +405,49 @@ def decision_section(run: Run, bench: Bench, n: int, cuda: bool) -> dict:
         del graph
     run.log(f"  decision N={n}: eager {out['eager']['ms']:.3f} ms, graph {out.get('graph', {}).get('ms')} ms, "
             f"replay==eager {out.get('replay_equals_eager')}, sync-free {out.get('sync_free')}")
+    try:
+        out["parts"] = decision_parts(run, bench, ws, tokens, logits, hidden, rows, cuda)
+    except Exception as exc:  # noqa: BLE001
+        run.result["errors"].append({"where": f"decision parts N={n}", "error": f"{type(exc).__name__}: {exc}",
+                                     "trace": traceback.format_exc(limit=6)})
+    return out
+
+
+def decision_parts(run: Run, bench: Bench, ws, tokens, logits, hidden, rows: int, cuda: bool) -> dict:
+    """Where the decision's time goes, each part timed alone (captured on CUDA): the confidence features
+    through the reference and (where it runs) the fused kernel, the whole feature vector, the predictor and
+    seeds, Algorithm 1, flat-pack with its metadata."""
+    from dscale_runtime.dvl.allocate import allocate
+    from dscale_runtime.dvl.features import acceptance_features, confidence_features_ref
+    from dscale_runtime.dvl.pack import flat_pack, packed_metadata
+    from dscale_runtime.dvl.predictor import seed_lengths
+    from dscale_runtime.kernels.features import confidence_features
+
+    args, spec = run.args, bench.spec
+    features = acceptance_features(spec, logits, hidden, bench.projection, ws.context)
+    scores = bench.predictor.scores(features)
+    seeds = seed_lengths(scores, BLOCK)
+    lens = allocate(scores, seeds, ws.live, ws.budget)
+    parts = {
+        "confidence ref": lambda: confidence_features_ref(logits, spec.num_ranks),
+        "confidence triton": lambda: confidence_features(logits, spec.num_ranks, backend="triton"),
+        "features (auto)": lambda: acceptance_features(spec, logits, hidden, bench.projection, ws.context),
+        "predictor + seeds": lambda: seed_lengths(bench.predictor.scores(features), BLOCK),
+        "allocate": lambda: allocate(scores, seeds, ws.live, ws.budget),
+        "pack + metadata": lambda: packed_metadata(flat_pack(lens, tokens, ws.ctx_lens, ws.block_tables, rows,
+                                                             ws.page_size), ws.ctx_lens, ws.block_tables,
+                                                   ws.max_kv, BLOCK).kv_lens,
+    }
+    out = {}
+    for name, fn in parts.items():
+        if name == "confidence triton" and not cuda:
+            continue
+        try:
+            call = GraphedCall(fn, True) if cuda else fn
+            out[name] = time_call(call, args.device, args.reps, args.warmup)["ms"]
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    run.log("    parts: " + ", ".join(f"{k} {v if isinstance(v, str) else f'{v:.3f} ms'}" for k, v in out.items()))
     return out
 
 
