@@ -1,4 +1,4 @@
-"""Triton confidence features against the reference `dscale_runtime.dvl.features.confidence_features_ref`, and the router.
+"""Triton confidence features against the reference `dvl.features.confidence_features_ref`, and the router.
 
 The kernel cases run through Triton's interpreter on CPU machines with triton installed (conftest sets
 TRITON_INTERPRET=1 when there is no CUDA device), and compiled on CUDA (marker `gpu`, at Qwen3's vocabulary and

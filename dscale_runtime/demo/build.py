@@ -296,8 +296,8 @@ def stage_drafter(r: DemoRecipe, out: Path, report: dict) -> None:
     t1 = time.time()
     curve = train_drafter(drafter, hf_target, sequences[holdout:], _train_ids(r, out),
                           prompt_lens=prompt_lens[holdout:], new_tokens=r.gen_new_tokens, steps=r.drafter_steps,
-                          batch=r.drafter_batch, blocks_per_seq=r.blocks_per_seq, lr=r.drafter_lr, device=device, seed=r.seed, log=_log,
-                          kl_weight=r.drafter_kl_weight)
+                          batch=r.drafter_batch, blocks_per_seq=r.blocks_per_seq, lr=r.drafter_lr, device=device,
+                          seed=r.seed, log=_log, kl_weight=r.drafter_kl_weight)
     train_seconds = time.time() - t1
     fresh = held_out_acceptance(drafter, hf_target, sequences[:holdout], prompt_lens=prompt_lens[:holdout],
                                 new_tokens=r.gen_new_tokens, device=device)
@@ -402,10 +402,10 @@ def render_readme(report: dict, out: Path) -> str:
     if speed.is_file():
         sp = json.loads(speed.read_text())
         lines += ["", f"### CPU decoding speed, batch 1 ({sp['command']})", ""]
-        for dtype, r in sp.get("dtypes", {sp.get("headline_dtype", "float32"): sp}).items():
-            equal = r.get("prompts_equal_to_target_only")
-            lines.append(f"- {dtype}, {sp['device']}, {sp['date']}: target-only {r['target_tokens_per_s']} tok/s, "
-                         f"DFlash {r['dflash_tokens_per_s']} tok/s, speedup **{r['speedup']}x** (median of "
+        for dtype, run in sp.get("dtypes", {sp.get("headline_dtype", "float32"): sp}).items():
+            equal = run.get("prompts_equal_to_target_only")
+            lines.append(f"- {dtype}, {sp['device']}, {sp['date']}: target-only "
+                         f"{run['target_tokens_per_s']} tok/s, DFlash {run['dflash_tokens_per_s']} tok/s, speedup **{run['speedup']}x** (median of "
                          f"{sp['repeats']})" + ("" if equal is None else
                                                 f"; {equal} of {sp['prompts']} outputs equal to target-only"))
     samples = (report.get("eval_cpu") or report.get("eval_cuda") or {}).get("samples", [])
