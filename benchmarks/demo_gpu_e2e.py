@@ -25,8 +25,10 @@ from dscale_runtime.demo.ties import near_ties
 from dscale_runtime.engine import Engine
 
 
-def run(mode: str, prompts: list[str], concurrency: int, max_tokens: int, dtype: str, predictor: Path) -> dict:
-    config = EngineConfig(mode=mode, max_running_requests=concurrency, device="cuda", dtype=dtype, max_model_len=1024)
+def run(variant: str, prompts: list[str], concurrency: int, max_tokens: int, dtype: str, predictor: Path) -> dict:
+    mode, graphs = variant.split()[0], variant.endswith(" graphs")
+    config = EngineConfig(mode=mode, max_running_requests=concurrency, device="cuda", dtype=dtype, max_model_len=1024,
+                          step_graphs=graphs)
     engine = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
                                     predictor if mode == "dscale" else None, config=config)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -39,7 +41,7 @@ def run(mode: str, prompts: list[str], concurrency: int, max_tokens: int, dtype:
     steps = sum(o.stats.num_steps for o in outputs)
     accepted = [a for o in outputs for a in o.stats.accepted_lens]
     return {
-        "mode": mode, "concurrency": concurrency, "seconds": round(seconds, 3),
+        "mode": variant, "concurrency": concurrency, "seconds": round(seconds, 3),
         "tokens_per_s": round(sum(len(o.token_ids) for o in outputs) / seconds, 1),
         "mean_acceptance_length": round(1 + sum(accepted) / len(accepted), 3) if mode != "target" else 1.0,
         "request_steps": steps, "tokens": [o.token_ids for o in outputs],
@@ -53,13 +55,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--predictor", type=Path, default=DEMO_DIR.parent / "demo.pt")
+    parser.add_argument("--step-graphs", action="store_true",
+                        help="also run dflash and dscale with EngineConfig.step_graphs (CUDA graphs per bucket)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in stdlib_prompts()[: args.prompts]]
     rows = []
     for c in args.concurrency:
         by_mode = {mode: run(mode, prompts, c, args.max_tokens, args.dtype, args.predictor)
-                   for mode in ("target", "dflash", "dscale")}
+                   for mode in ("target", "dflash", "dscale") + (("dflash graphs", "dscale graphs")
+                                                                 if args.step_graphs else ())}
         reference = by_mode["target"]["tokens"]
         for mode, r in by_mode.items():
             tokens = r.pop("tokens")
@@ -67,7 +72,7 @@ def main() -> None:
             r["differences"] = near_ties(DEMO_DIR / "target", prompts, tokens, reference, device="cuda")
             r["speedup_vs_target"] = round(r["tokens_per_s"] / by_mode["target"]["tokens_per_s"], 2)
             rows.append(r)
-            print(f"c={c:3d} {mode:7s} {r['tokens_per_s']:9.1f} tok/s  x{r['speedup_vs_target']:.2f}  "
+            print(f"c={c:3d} {mode:14s} {r['tokens_per_s']:9.1f} tok/s  x{r['speedup_vs_target']:.2f}  "
                   f"acc_len {r['mean_acceptance_length']:.3f}  equal {r['prompts_equal_to_target']}/{len(prompts)}  "
                   f"fp32 margins at differences {[d['fp32_top2_margin'] for d in r['differences']]}",
                   flush=True)

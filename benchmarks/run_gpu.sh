@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Issue 8 in one device call: the GPU tests, then every timing. Usage: bash benchmarks/run_gpu.sh OUT_DIR
+# Issue 8 on the device: the GPU tests, then every timing. Usage: bash benchmarks/run_gpu.sh OUT_DIR [tests|bench|all]
+# (all: both in one call, ~10 min; split into two calls where a call is limited to 10 minutes).
 # Each section has its own time limit so one slow part cannot starve the others; logs and JSON go to OUT_DIR.
 # Needs the repository's dependencies (jsonargparse too: carry its wheel where the GPU image lacks it).
 set -uo pipefail
-out=${1:?usage: bash benchmarks/run_gpu.sh OUT_DIR}
+out=${1:?usage: bash benchmarks/run_gpu.sh OUT_DIR [tests|bench|all]}
+part=${2:-all}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -16,11 +18,17 @@ if timeout 90 python -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_
 fi
 tail -5 "$out/features_tests.log" | tee -a "$out/gpu_tests.log"
 echo "DSCALE_FEATURES=${DSCALE_FEATURES:-auto} for the rest of the run" | tee -a "$out/gpu_tests.log"
-for f in tests/test_kernels_fused.py tests/test_kernels.py tests/test_fastpath.py tests/test_gpu.py tests/test_dvl.py; do
-  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider "$f" 2>&1 | tail -25 | tee -a "$out/gpu_tests.log"
-done
-python -m dscale_runtime.kernels.triton_features 2>&1 | tail -12 | tee "$out/features_bench.log"
-python -m dscale_runtime.kernels.triton_fused 2>&1 | tail -12 | tee "$out/fused_bench.log"
-timeout 60 python -m dscale_runtime.kernels.bench_attention --output "$out/attention.json" 2>&1 | tail -30 | tee "$out/attention.log"
-timeout 240 python benchmarks/gpu_step.py --time-budget 190 --out "$out/gpu_step.json" 2>&1 | tail -60 | tee "$out/gpu_step.log"
-timeout 110 python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 --concurrency 8 16 32 --out "$out/e2e.json" 2>&1 | tail -12 | tee "$out/e2e.log"
+if [ "$part" != bench ]; then
+  for f in tests/test_kernels_fused.py tests/test_kernels.py tests/test_fastpath.py tests/test_step_graphs.py \
+           tests/test_gpu.py tests/test_dvl.py; do
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider "$f" 2>&1 | tail -25 | tee -a "$out/gpu_tests.log"
+  done
+fi
+if [ "$part" != tests ]; then
+  python -m dscale_runtime.kernels.triton_features 2>&1 | tail -12 | tee "$out/features_bench.log"
+  python -m dscale_runtime.kernels.triton_fused 2>&1 | tail -12 | tee "$out/fused_bench.log"
+  timeout 60 python -m dscale_runtime.kernels.bench_attention --output "$out/attention.json" 2>&1 | tail -30 | tee "$out/attention.log"
+  timeout 240 python benchmarks/gpu_step.py --time-budget 190 --out "$out/gpu_step.json" 2>&1 | tail -60 | tee "$out/gpu_step.log"
+  timeout 200 python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 --concurrency 8 16 32 --step-graphs \
+    --out "$out/e2e.json" 2>&1 | tail -20 | tee "$out/e2e.log"
+fi

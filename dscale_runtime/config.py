@@ -46,6 +46,10 @@ class EngineConfig:
     measure_retention: bool = False
     """DScale only: also run full-width verification each step to measure retention (costs a second
     target forward; for analysis, not serving)."""
+    step_graphs: bool = False
+    """Speculative modes: run greedy decode steps on fixed per-bucket buffers (`dscale_runtime.step_graphs`),
+    captured as CUDA graphs on CUDA (eager elsewhere); steps with sampled requests, step observers or
+    `measure_retention` take the ordinary path."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

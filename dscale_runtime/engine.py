@@ -99,6 +99,16 @@ class Engine:
         self.step_observers: list = []
         """Callables receiving a `StepTrace` after every speculative decode step (features are computed only
         while at least one observer is registered, or in dscale mode)."""
+        self.step_graphs = None  # fixed per-bucket decode steps (CUDA graphs on CUDA): EngineConfig.step_graphs
+        if config.step_graphs and config.mode != "target":
+            from dscale_runtime.step_graphs import StepGraphs
+
+            if self.hidden_projection is None and config.mode == "dscale":
+                self.hidden_projection = hidden_projection(self.feature_spec, drafter.config.layers.hidden_size).to(
+                    self.device)
+            self.step_graphs = StepGraphs(self)
+            if self.step_graphs.use_graphs:
+                self.step_graphs.prepare()
         self._ids = itertools.count()
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(config.seed)
@@ -330,6 +340,13 @@ class Engine:
 
     def _decode(self, requests: list[Request]) -> list[Request]:
         n, w, mode = len(requests), self.block_size, self.config.mode
+        if (self.step_graphs is not None and mode != "target" and not self.step_observers
+                and not self.config.measure_retention and all(r.params.greedy for r in requests)):
+            step_mode = self.step_graphs.mode_for(n)
+            accepted_l, successor_l, lens_l, drafts_l, rows = self.step_graphs.run(requests, step_mode)
+            finished = self._advance(requests, accepted_l, successor_l, drafts_l, lens_l)
+            self._record(requests, accepted_l, lens_l, rows)
+            return finished
         ctx = [r.num_computed for r in requests]
         full_meta = build_metadata([w] * n, ctx, [r.pages for r in requests], self.config.page_size, self.device,
                                    causal=True)
@@ -373,20 +390,26 @@ class Engine:
             inject = self._tensor([o + j for o, a in zip(offsets_l, accepted_l) for j in range(a + 1)])
             self.drafter.inject_context(features[inject], meta.positions[inject], meta.slot_mapping[inject],
                                         self.drafter_cache.layers)
-        finished = []
-        for request, a, succ, drafts, k in zip(requests, accepted_l, successor_l, drafts_l, lens_l):
-            request.num_computed += a + 1
-            request.stats.num_steps += 1
-            request.stats.accepted_lens.append(a)
-            request.stats.verify_lens.append(k)
-            if self._commit(request, drafts[1 : a + 1] + [succ]):
-                finished.append(request)
+        finished = self._advance(requests, accepted_l, successor_l, drafts_l, lens_l)
         self._record(requests, accepted_l, lens_l, rows, full_l)
         if self.step_observers and features_in is not None:
             trace = StepTrace([r.request_id for r in requests], decode_steps, ctx, n, features_in.float().cpu(),
                               accepted_l, lens_l)
             for observer in self.step_observers:
                 observer(trace)
+        return finished
+
+    def _advance(self, requests: list[Request], accepted: list[int], successors: list[int],
+                 drafts: list[list[int]], lens: list[int]) -> list[Request]:
+        """Commit each request's accepted drafts and successor; returns the requests that finished."""
+        finished = []
+        for request, a, succ, block, k in zip(requests, accepted, successors, drafts, lens):
+            request.num_computed += a + 1
+            request.stats.num_steps += 1
+            request.stats.accepted_lens.append(a)
+            request.stats.verify_lens.append(k)
+            if self._commit(request, block[1 : a + 1] + [succ]):
+                finished.append(request)
         return finished
 
     def _record(self, requests: list[Request], accepted: list[int], lens: list[int], rows: int,

@@ -125,8 +125,8 @@ def decide(
     scores = predictor.scores(features)  # [N, W-1]
     lens = allocate(scores, seed_lengths(scores, w), ws.live, ws.budget)
     packed = flat_pack(lens, draft_tokens, ws.ctx_lens, ws.block_tables, num_rows, ws.page_size)
-    # NOTE: max_q = W bounds the live requests only; placeholder rows (num_rows > M_live) past W are not
-    # attended by the kernels, so buckets should use M = M_live (the engine's packing does the same).
+    # NOTE: max_q = W bounds the live requests; placeholders (num_rows > M_live) share local slots up to W - 1
+    # (flat_pack), and the Triton kernels skip pseudo-request rows past W: their outputs are never read.
     meta = packed_metadata(packed, ws.ctx_lens, ws.block_tables, ws.max_kv, w)
     live_rows = lens.sum().view(1)
     meta.query_lens = torch.cat([lens, num_rows - live_rows])

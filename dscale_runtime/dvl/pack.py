@@ -2,7 +2,8 @@
 
 offset_i = exclusive cumsum of k. Row r in [offset_i, offset_i + k_i) holds request i, slot r - offset_i:
 its token, position ctx_i + slot and KV write slot. Inactive requests (k = 0) get offset M_live. Rows
-r >= M_live are placeholders: token 0, position 0, written to the scratch page, attending only to it.
+r >= M_live are placeholders: token 0, position 0, written to the scratch page, attending only to it (local
+slot min(r - M_live, W - 1): a bucket's fixed M may exceed M_live by more than W).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class PackedBatch:
     positions: torch.Tensor  # [M] absolute position of each row (0 for placeholders)
     slot_mapping: torch.Tensor  # [M] KV write slot (scratch page for placeholders)
     row_req: torch.Tensor  # [M] request of each row (N for placeholders: a pseudo request on the scratch page)
-    row_local: torch.Tensor  # [M] slot inside the request (row - M_live for placeholders)
+    row_local: torch.Tensor  # [M] slot inside the request (min(row - M_live, W - 1) for placeholders)
 
 
 def flat_pack(
@@ -45,7 +46,8 @@ def flat_pack(
     req = torch.searchsorted(ends, rows, right=True)  # [M]; == N for rows past the live ones
     is_tail = req >= n
     req_c = req.clamp(max=max(n - 1, 0))
-    slot = torch.where(is_tail, rows - live_rows, rows - offsets[req_c])
+    # NOTE: placeholders past the W-th share local slot W - 1, so any M fits a query tile of W rows
+    slot = torch.where(is_tail, (rows - live_rows).clamp(max=w - 1), rows - offsets[req_c])
     slot_c = slot.clamp(0, w - 1)
     tokens = torch.where(is_tail, torch.zeros_like(rows), draft_tokens[req_c, slot_c])
     positions = torch.where(is_tail, torch.zeros_like(rows), ctx_lens[req_c] + slot_c)

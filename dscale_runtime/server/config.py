@@ -46,6 +46,9 @@ class ServeConfig:
     lone request at full width (8 rows lose drafts there); profile larger values per model and GPU."""
     measure_retention: bool = False
     """DScale: also run full-width verification to report retention in /metrics (costs a second forward)."""
+    step_graphs: bool = False
+    """Speculative modes: greedy decode steps on fixed per-batch-bucket buffers, captured as CUDA graphs on
+    CUDA (each bucket is captured when first used)."""
     api_key: str | None = None
     """When set, /v1/* requests must send 'Authorization: Bearer KEY'."""
     served_model_name: str | None = None

@@ -26,7 +26,7 @@ def load_engine(config: ServeConfig, engine_cls=None):
     engine_config = EngineConfig(
         mode=config.mode, max_running_requests=config.max_running_requests, max_model_len=max_model_len,
         kv_cache_tokens=config.kv_cache_tokens, budget_ratio=config.budget_ratio,
-        full_width_max_batch=config.full_width_max_batch,
+        full_width_max_batch=config.full_width_max_batch, step_graphs=config.step_graphs,
         measure_retention=config.measure_retention and config.mode == "dscale", device=config.device,
         dtype=config.dtype, seed=config.seed)
     return (engine_cls or Engine).from_pretrained(config.target_path, config.drafter_path, config.predictor_path,
