@@ -9,10 +9,7 @@ and writes outside the rows all fail. The oracle always runs in fp32 on the same
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -276,28 +273,17 @@ def test_interpreter_engine_tokens_equal_portable_path(interpreter, tmp_path, mo
 def test_compiled_kernel_builds_for_sm90_without_spills():
     """The compiled (non-interpreter) path, without a GPU: Triton's bundled ptxas builds the kernel for sm_90
     at the shapes the engine launches; the 16-bit Qwen3-8B configurations keep everything in registers."""
-    script = """
-import os, subprocess, sys, tempfile, torch, triton
+    from offline import run_without_interpreter
+
+    lines = run_without_interpreter("""
+import torch
+from dscale_runtime.kernels import stack_usage
 from dscale_runtime.kernels.triton_attention import compile_offline
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for dtype, shape, tile, causal in [(torch.bfloat16, (32, 8, 128), 16, True), (torch.bfloat16, (32, 8, 128), 16, False),
                                    (torch.bfloat16, (32, 8, 128), 128, True), (torch.float16, (32, 8, 128), 64, True),
                                    (torch.float32, (6, 2, 64), 16, True), (torch.float32, (6, 2, 64), 128, True)]:
-    kernel = compile_offline(dtype, *shape, tile, causal)
-    usage = "?"
-    if os.path.exists(tool):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"]); f.flush()
-            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-            usage = next(x for x in usage.split() if x.startswith("STACK:"))
-    print(str(dtype).split(".")[1], tile, causal, usage)
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.split("\n")
-    print(done.stdout)
+    print(str(dtype).split(".")[1], tile, causal, stack_usage(compile_offline(dtype, *shape, tile, causal)))
+""")
     for line in lines:
         if line.startswith(("bfloat16", "float16")):
             assert line.endswith(("STACK:0", "?")), f"register spills: {line}"

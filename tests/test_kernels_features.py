@@ -9,9 +9,6 @@ rtol 1e-4 / atol 1e-5 with it (rows of finite logits up to 100) and with a float
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -156,26 +153,16 @@ def test_strided_rows_and_empty_batch():
 def test_compiles_for_sm90_without_spills():
     """The compiled path (not the interpreter): both kernels build for an H200 at the default launch sizes
     of small and large batches, without register spills."""
-    script = """
-import os, subprocess, tempfile, torch, triton
+    from offline import run_without_interpreter
+
+    lines = run_without_interpreter("""
+import torch
+from dscale_runtime.kernels import stack_usage
 from dscale_runtime.kernels.triton_features import compile_offline
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for dtype, rows in [(torch.bfloat16, 15), (torch.bfloat16, 960), (torch.float32, 960)]:
     for kernel in compile_offline(dtype, rows):
-        usage = "?"
-        if os.path.exists(tool):
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(kernel.asm["cubin"]); f.flush()
-                usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-                usage = next(x for x in usage.split() if x.startswith("STACK:"))
-        print(str(dtype).split(".")[1], rows, usage)
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    print(done.stdout)
-    lines = [line for line in done.stdout.split("\n") if line]
+        print(str(dtype).split(".")[1], rows, stack_usage(kernel))
+""")
     assert len(lines) == 6 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
 
 

@@ -14,9 +14,6 @@ whose sum may cancel, within a few ulps of its two terms.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -336,7 +333,9 @@ def test_router_names_bad_settings(monkeypatch):
     monkeypatch.delenv("DSCALE_FUSED")
     with pytest.raises(ValueError, match=r"backend='cuda'"):
         silu_mul(torch.zeros(2, 4), backend="cuda")
-    monkeypatch.setattr(fused, "triton_available", lambda: False)
+    import dscale_runtime.kernels as kernels
+
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)  # the shared check of every router
     with pytest.raises(RuntimeError, match="DSCALE_FUSED=ref"):
         fused_backend(torch.zeros(1), "triton")
 
@@ -347,30 +346,20 @@ def test_compiled_kernels_build_for_sm90():
     """The compiled path without a GPU (Triton's bundled ptxas) at Qwen3-8B sizes: no register spills, IEEE
     division everywhere (no approximate `div.full`), and no fused multiply-adds in the norm and RoPE kernels
     (SiLU's only FMAs are inside CUDA's expf)."""
-    script = """
-import os, re, subprocess, sys, tempfile, torch, triton
+    from offline import run_without_interpreter
+
+    lines = [line.split() for line in run_without_interpreter("""
+import re, torch
+from dscale_runtime.kernels import stack_usage
 from dscale_runtime.kernels.triton_fused import compile_offline
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     for kernel, sizes in [("rms_norm", dict(dim=4096)), ("rms_norm", dict(dim=4096, add=True)),
                           ("rms_norm", dict(dim=8192, add=True)), ("qk_norm_rope", dict(num_heads=32, head_dim=128)),
                           ("qk_norm_rope", dict(num_heads=8, head_dim=64)), ("silu_mul", dict(inter=12288))]:
         compiled = compile_offline(kernel, dtype, **sizes)
-        usage = "STACK:?"
-        if os.path.exists(tool):
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(compiled.asm["cubin"]); f.flush()
-                usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-                usage = next(x for x in usage.split() if x.startswith("STACK:"))
         ops = sorted(set(re.findall(r"\\b(fma\\.[\\w.]+|div\\.[\\w.]+)", compiled.asm["ptx"])))
-        print(kernel, str(dtype).split(".")[1], usage, *ops)
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    print(done.stdout)
-    lines = [line.split() for line in done.stdout.strip().split("\n")]
+        print(kernel, str(dtype).split(".")[1], stack_usage(compiled), *ops)
+""")]
     assert len(lines) == 18
     for kernel, dtype, usage, *ops in lines:
         assert usage in ("STACK:0", "STACK:?"), (kernel, dtype, usage)
@@ -483,8 +472,6 @@ def test_cuda_graph_capture_and_replay():
 def test_router_keeps_training_and_autocast_on_the_reference(monkeypatch):
     """The kernels have no backward and take one dtype: a call autograd records, or one with operands of
     another dtype (autocast: bf16 activations, fp32 weights), runs the reference even when triton is forced."""
-    from dscale_runtime.kernels import fused
-
     monkeypatch.setenv("DSCALE_FUSED", "triton")
     x = torch.randn(4, 8)
     weight = torch.randn(8, requires_grad=True)

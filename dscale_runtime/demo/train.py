@@ -320,7 +320,6 @@ def held_out_acceptance(drafter: DFlashDraftModel, hf_target, sequences: torch.T
     """Mean accepted drafts on greedy sequences the drafter never trained on (teacher-forced blocks)."""
     drafter.eval()
     w = drafter.config.block_size
-    s = sequences.shape[1]
     gen = torch.Generator().manual_seed(1234)
     total, count = 0.0, 0
     for start in range(0, sequences.shape[0], 64):

@@ -22,7 +22,7 @@ VERIFY_TILE = 16  # query rows per tile when every request's query is at most th
 PREFILL_TILES = (64, 128)  # hardware tiles for longer queries
 TILE_ROWS = (16, 32, 64, 128)  # tiles a caller may force
 MAX_STACKED_ROWS = 128  # query rows x stacked q heads of one Triton program
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what every Triton path takes
 
 
 def tile_rows_for(max_q: int) -> int:
@@ -47,17 +47,25 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def requested_backend(variable: str, backend: str | None = None) -> str:
+    """'auto', 'ref' or 'triton' as asked: the argument, else the environment `variable`, else auto. A bad
+    value names where it came from; 'triton' without triton installed names the way out. Each router then
+    applies its own rule to 'auto' (and to calls its Triton path cannot take)."""
+    choice = backend or os.environ.get(variable, "auto") or "auto"
+    if choice not in BACKENDS:
+        source = "backend" if backend else variable
+        raise ValueError(f"{source}={choice!r}: expected one of {', '.join(BACKENDS)}")
+    if choice == "triton" and not triton_available():
+        raise RuntimeError(f"{variable}=triton (or backend='triton') but triton is not installed: "
+                           f"pip install triton, or use {variable}=ref")
+    return choice
+
+
 def attention_backend(q: torch.Tensor, backend: str | None = None) -> str:
     """'ref' or 'triton' for this call: the argument, else DSCALE_ATTENTION, else auto."""
-    choice = backend or os.environ.get("DSCALE_ATTENTION", "auto") or "auto"
-    if choice not in BACKENDS:
-        source = "backend" if backend else "DSCALE_ATTENTION"
-        raise ValueError(f"{source}={choice!r}: expected one of {', '.join(BACKENDS)}")
+    choice = requested_backend("DSCALE_ATTENTION", backend)
     if choice == "auto":
-        return "triton" if q.is_cuda and q.dtype in _TRITON_DTYPES and triton_available() else "ref"
-    if choice == "triton" and not triton_available():
-        raise RuntimeError("DSCALE_ATTENTION=triton (or backend='triton') but triton is not installed: "
-                           "pip install triton, or use DSCALE_ATTENTION=ref")
+        return "triton" if q.is_cuda and q.dtype in TRITON_DTYPES and triton_available() else "ref"
     return choice
 
 
@@ -93,3 +101,21 @@ def paged_attention(
 
     return paged_attention_triton(q, k_cache, v_cache, meta, page_size, scale,
                                   tile_rows=forced_tile_rows(tile_rows), out=out)
+
+
+def stack_usage(compiled) -> str:
+    """'STACK:<bytes>' of a kernel compiled offline (`compile_offline` of a Triton module), read with the
+    cuobjdump that Triton bundles; 'STACK:?' where that tool is missing. STACK:0 means no register spills."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return "STACK:?"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return next(x for x in usage.split() if x.startswith("STACK:"))

@@ -11,33 +11,25 @@ NOTE: `dscale_runtime.dvl.features` is imported inside functions only: it may im
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from dscale_runtime.kernels import BACKENDS, triton_available
+from dscale_runtime.kernels import TRITON_DTYPES, requested_backend, triton_available
 
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 AUTO_TRITON = False  # whether auto picks the Triton path on CUDA (see features_backend)
 
 
 def features_backend(draft_logits: torch.Tensor, num_ranks: int, backend: str | None = None) -> str:
     """'ref' or 'triton' for this call: the argument, else DSCALE_FEATURES, else auto."""
-    choice = backend or os.environ.get("DSCALE_FEATURES", "auto") or "auto"
-    if choice not in BACKENDS:
-        source = "backend" if backend else "DSCALE_FEATURES"
-        raise ValueError(f"{source}={choice!r}: expected one of {', '.join(BACKENDS)}")
+    choice = requested_backend("DSCALE_FEATURES", backend)
     if draft_logits.shape[-1] < num_ranks:
         return "ref"
     if choice == "auto":
         # NOTE: auto keeps the reference until the kernel's GPU tests (tests/test_kernels_features.py -m gpu)
         # have passed on a device; it is verified in the interpreter and built for sm_90 offline only.
         # DSCALE_FEATURES=triton opts in. Flip AUTO_TRITON once the device run is green.
-        usable = draft_logits.is_cuda and draft_logits.dtype in _TRITON_DTYPES and triton_available()
+        usable = draft_logits.is_cuda and draft_logits.dtype in TRITON_DTYPES and triton_available()
         return "triton" if usable and AUTO_TRITON else "ref"
-    if choice == "triton" and not triton_available():
-        raise RuntimeError("DSCALE_FEATURES=triton (or backend='triton') but triton is not installed: "
-                           "pip install triton, or use DSCALE_FEATURES=ref")
     return choice
 
 

@@ -11,34 +11,25 @@ bit-identical to the reference and what may differ by 1 ulp.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
-from dscale_runtime.kernels import triton_available
+from dscale_runtime.kernels import TRITON_DTYPES, requested_backend, triton_available
 
-BACKENDS = ("auto", "ref", "triton")
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def fused_backend(x: torch.Tensor, backend: str | None = None, *others: torch.Tensor) -> str:
     """'ref' or 'triton' for this call: the argument, else DSCALE_FUSED, else auto. The kernels are for
     inference: a call that autograd records (training) or whose other operands (`others`: weights, RoPE
     tables, the residual) differ from x in dtype (autocast) takes the reference even when triton is forced."""
-    choice = backend or os.environ.get("DSCALE_FUSED", "auto") or "auto"
-    if choice not in BACKENDS:
-        source = "backend" if backend else "DSCALE_FUSED"
-        raise ValueError(f"{source}={choice!r}: expected one of {', '.join(BACKENDS)}")
+    choice = requested_backend("DSCALE_FUSED", backend)
     if choice == "ref":
         return "ref"
-    if choice == "triton" and not triton_available():
-        raise RuntimeError("DSCALE_FUSED=triton (or backend='triton') but triton is not installed: "
-                           "pip install triton, or use DSCALE_FUSED=ref")
     operands = (x, *others)
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return "ref"
-    if any(t.dtype != x.dtype or t.device != x.device for t in others) or x.dtype not in _TRITON_DTYPES:
+    if any(t.dtype != x.dtype or t.device != x.device for t in others) or x.dtype not in TRITON_DTYPES:
         return "ref"
     if choice == "auto":
         return "triton" if x.is_cuda and triton_available() else "ref"
