@@ -2,13 +2,15 @@
 
 Same engine, same prompts, greedy; tokens/s = generated tokens / wall time over the prompt set, median of
 `--repeats` runs (the modes interleaved so drift in machine load hits both alike), once per `--dtypes`
-entry: bfloat16 (the checkpoint's dtype; CPUs with AVX512-BF16 or AMX run it natively) and float32 (the
-engine's CPU default). Also counts the prompts whose DFlash output equals target-only output and, where
+entry TARGET[/DRAFTER]: float32 (the engine's CPU default), bfloat16 (the checkpoint's dtype; CPUs with
+AVX512-BF16 or AMX run it natively), or float32/bfloat16 (an fp32 target, whose greedy output is the
+reference, beside a bf16 drafter: `EngineConfig.draft_dtype`; a CPU decode step is bound by memory
+bandwidth, and the drafter's precision never changes the output). Also counts the prompts whose DFlash output equals target-only output and, where
 they differ, the target's top-2 logit margin at the first differing token (recomputed in float32 over the
 shared prefix): lossless greedy allows differences only at such near-ties of reduced precision.
 Writes artifacts/demo/cpu_speed.json (read by the artifacts README) and prints a table.
 
-    python benchmarks/demo_cpu_speed.py --prompts 8 --max-tokens 128 --repeats 3
+    python benchmarks/demo_cpu_speed.py --prompts 8 --max-tokens 128 --repeats 3 --dtypes float32/bfloat16,float32
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from dscale_runtime.demo.ties import near_ties
 from dscale_runtime.engine import Engine
 
 
-def run(mode: str, dtype: str, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
+def run(mode: str, dtypes: str, prompts: list[str], max_tokens: int) -> tuple[float, list[list[int]]]:
+    dtype, _, draft_dtype = dtypes.partition("/")
     engine = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
                                     config=EngineConfig(mode=mode, max_running_requests=1, max_model_len=1024,
-                                                        dtype=dtype))
+                                                        dtype=dtype, draft_dtype=draft_dtype or None))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up
     start = time.perf_counter()
@@ -46,7 +49,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated; the first is the headline")
+    parser.add_argument("--dtypes", default="float32/bfloat16,float32,bfloat16",
+                        help="comma-separated TARGET[/DRAFTER] dtypes; the first is the headline")
     args = parser.parse_args()
     prompts = [p["prompt"] for p in stdlib_prompts()[: args.prompts]]
     results = {}
@@ -65,7 +69,7 @@ def main() -> None:
             "prompts_equal_to_target_only": equal,
             "differences": near_ties(DEMO_DIR / "target", prompts, outputs["dflash"], outputs["target"]),
         }
-        if dtype == "float32" and equal != len(prompts):
+        if dtype.startswith("float32") and equal != len(prompts):
             raise AssertionError("float32 DFlash greedy output differs from target-only greedy output")
     head = results[args.dtypes.split(",")[0]]
     result = {

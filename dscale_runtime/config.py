@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MODES = ("target", "dflash", "dscale")
+DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ class EngineConfig:
     dtype: str = "auto"
     """Weights, activations and KV cache: 'float32', 'bfloat16', 'float16' or 'auto' (bf16 on CUDA,
     fp32 on CPU)."""
+    draft_dtype: str | None = None
+    """The drafter's weights, activations and KV cache (its LM-head rows too): a dtype name as for `dtype`;
+    None = `dtype`. The target verifies every token, so the drafter's precision never changes the output,
+    only how many drafts are accepted: e.g. a bf16 drafter beside an fp32 target reads half the drafter
+    bytes on a CPU, whose decode steps are bound by memory bandwidth."""
     block_size: int | None = None
     """Slots per DFlash block W (anchor + W-1 drafts); None takes the drafter's `block_size`."""
     page_size: int = 16
@@ -66,6 +72,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.budget_ratio must be in (0, 1], got {self.budget_ratio}")
         if self.full_width_max_batch < 0:
             raise ValueError(f"EngineConfig.full_width_max_batch must be >= 0, got {self.full_width_max_batch}")
+        if self.dtype not in DTYPES + ("auto",):
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES + ('auto',)}, got '{self.dtype}'")
+        if self.draft_dtype is not None and self.draft_dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.draft_dtype must be None or one of {DTYPES}, got '{self.draft_dtype}'")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"EngineConfig.kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
 

@@ -15,6 +15,7 @@ tensor with a blocking host copy; here the budget is a device scalar, so the dec
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 
@@ -66,8 +67,18 @@ class GraphedCall:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = fn()
+        # NOTE: a garbage collection during capture may free an unreachable older graph (a DecodeStep and
+        # its parts form a reference cycle), a CUDA call that invalidates the capture; collect first, then
+        # keep the collector off until the capture ends.
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = fn()
+        finally:
+            if enabled:
+                gc.enable()
         self.graph.replay()  # NOTE: capture records without running; fill the outputs once
 
     def __call__(self):
@@ -158,16 +169,15 @@ class DecodeStep:
 
     # ---- the three parts (each reads only the workspace and earlier parts' outputs)
     def draft(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> draft tokens [N, W] (slot 0 = anchor), draft logits [N, W-1, V] fp32, hidden [N, W-1, d]."""
+        """-> draft tokens [N, W] (slot 0 = anchor), draft logits [N, W-1, V] (model dtype), hidden [N, W-1, d]."""
         ws, w = self.ws, self.block_size
         n = ws.anchor_tokens.shape[0]
         meta = block_metadata(ws, w, causal=False)
         block = torch.full((n, w), self.drafter.config.mask_token_id, dtype=torch.long, device=ws.ctx_lens.device)
         block[:, 0] = ws.anchor_tokens
-        hidden = self.drafter(self.target.embed(block.view(-1)), meta, self.drafter_caches).view(n, w, -1)[:, 1:]
-        # NOTE: 2-D rows for the LM head (a strided 3-D input makes F.linear read the weight once per request)
-        logits = self.target.compute_logits(hidden.reshape(n * (w - 1), -1)).view(n, w - 1, -1)  # [N, W-1, V]
-        block[:, 1:] = logits.argmax(dim=-1)
+        # NOTE: greedy only: drafts, features and acceptance need no fp32 copy of [N*(W-1) or M, V] logits
+        # (an exact upcast: the Triton feature kernel and argmax read the model's dtype directly).
+        logits, hidden = self.drafter.propose(block, self.target, meta, self.drafter_caches, float_logits=False)
         return block, logits, hidden
 
     def decide(self) -> tuple[torch.Tensor, PackedBatch | None, AttentionMetadata]:
@@ -189,7 +199,8 @@ class DecodeStep:
             token_ids, offsets = draft_tokens.reshape(-1), torch.arange(n, device=lens.device) * w
         else:
             token_ids, offsets = packed.token_ids, packed.verify_offsets
-        logits, features = self.target(token_ids, meta, self.target_caches, None, self.capture_layers)
+        logits, features = self.target(token_ids, meta, self.target_caches, None, self.capture_layers,
+                                       float_logits=False)
         accepted, successor = accept_greedy(logits.argmax(dim=-1), draft_tokens, lens, offsets)
         if self.inject:
             req = meta.row_req.clamp(max=n - 1)

@@ -71,6 +71,34 @@ def test_dscale_with_the_demo_predictor_is_lossless():
     assert c.retained_drafts / c.full_width_drafts > 0.9
 
 
+def test_bf16_drafter_beside_fp32_target_is_lossless():
+    """draft_dtype changes what is drafted, never what is emitted; the drafter stays nearly as good."""
+    prompts = [p["prompt"] for p in stdlib_prompts()[32:40]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    base = dict(max_running_requests=8, max_model_len=1024, dtype="float32")
+    want = [o.token_ids for o in Engine.from_pretrained(
+        DEMO_DIR / "target", config=EngineConfig(mode="target", **base)).generate(prompts, params)]
+    accepted = {}
+    for draft_dtype, mode, graphs in [(None, "dflash", False), ("bfloat16", "dflash", False),
+                                      ("bfloat16", "dscale", False), ("bfloat16", "dscale", True)]:
+        engine = Engine.from_pretrained(
+            DEMO_DIR / "target", DEMO_DIR / "drafter", predictor=DEMO_DIR.parent / "demo.pt" if mode == "dscale" else None,
+            config=EngineConfig(mode=mode, draft_dtype=draft_dtype, step_graphs=graphs, **base))
+        assert engine.target.lm_head.weight.dtype == torch.float32
+        assert engine.drafter.dtype == engine.drafter_cache.k.dtype == (torch.bfloat16 if draft_dtype else torch.float32)
+        assert [o.token_ids for o in engine.generate(prompts, params)] == want, (draft_dtype, mode, graphs)
+        accepted[draft_dtype, mode, graphs] = engine.counters.accepted_drafts / engine.counters.request_steps
+    assert accepted["bfloat16", "dflash", False] > 0.9 * accepted[None, "dflash", False] > 0
+    assert accepted["bfloat16", "dscale", True] == pytest.approx(accepted["bfloat16", "dscale", False])
+
+
+def test_draft_dtype_is_checked():
+    with pytest.raises(ValueError, match="EngineConfig.draft_dtype must be None or one of"):
+        EngineConfig(draft_dtype="int8")
+    with pytest.raises(ValueError, match="EngineConfig.dtype must be one of"):
+        EngineConfig(dtype="float64")
+
+
 def test_demo_predictor_refuses_a_different_drafter(tmp_path):
     import shutil
 

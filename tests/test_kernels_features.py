@@ -213,9 +213,7 @@ def test_cuda_matches_reference_at_qwen3_vocab(rows, dtype):
     logits[1, 77] = logits[1].max() + 40.0  # a peaked row
     check(run_triton(logits, RANKS), logits)
     routed = confidence_features(logits.view(rows // 15, 15, QWEN3_VOCAB), RANKS, backend="triton")
-    from dscale_runtime.kernels import features
-
-    assert features_backend(logits, RANKS) == ("triton" if features.AUTO_TRITON else "ref")
+    assert features_backend(logits, RANKS) == "triton"
     check(routed.view(rows, RANKS + 2), logits)
 
 

@@ -404,7 +404,9 @@ def render_readme(report: dict, out: Path) -> str:
         lines += ["", f"### CPU decoding speed, batch 1 ({sp['command']})", ""]
         for dtype, run in sp.get("dtypes", {sp.get("headline_dtype", "float32"): sp}).items():
             equal = run.get("prompts_equal_to_target_only")
-            lines.append(f"- {dtype}, {sp['device']}, {sp['date']}: target-only "
+            target_dtype, _, draft_dtype = dtype.partition("/")
+            label = f"{target_dtype} target, {draft_dtype} drafter" if draft_dtype else dtype
+            lines.append(f"- {label}, {sp['device']}, {sp['date']}: target-only "
                          f"{run['target_tokens_per_s']} tok/s, DFlash {run['dflash_tokens_per_s']} tok/s, speedup **{run['speedup']}x** (median of "
                          f"{sp['repeats']})" + ("" if equal is None else
                                                 f"; {equal} of {sp['prompts']} outputs equal to target-only"))

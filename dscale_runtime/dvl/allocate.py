@@ -39,13 +39,11 @@ def allocate(
     seeds = torch.where(live, seeds, torch.zeros_like(seeds))
     gap = torch.as_tensor(budget, device=device) - seeds.sum()
     slot = torch.arange(1, w, device=device)  # draft slot j of each column
+    grow = gap > 0
     # Grow: candidates are the slots j >= k0_i not yet verified; take the |D| highest scores.
-    can_grow = live[:, None] & (slot[None, :] >= seeds[:, None])
-    grow_keys = torch.where(can_grow, -scores.float(), torch.inf).reshape(-1)
     # Shrink: candidates are the verified drafts 1 <= j < k0_i; drop the |D| lowest scores.
-    can_shrink = live[:, None] & (slot[None, :] < seeds[:, None])
-    shrink_keys = torch.where(can_shrink, scores.float(), torch.inf).reshape(-1)
-    take = gap.abs()
-    added = ((_rank(grow_keys) < take) & (gap > 0) & can_grow.reshape(-1)).view(n, p).sum(1)
-    removed = ((_rank(shrink_keys) < take) & (gap < 0) & can_shrink.reshape(-1)).view(n, p).sum(1)
-    return seeds + added - removed
+    # NOTE: only one of the two applies (the sign of D, on the device): one ranking serves both.
+    candidate = live[:, None] & torch.where(grow, slot[None, :] >= seeds[:, None], slot[None, :] < seeds[:, None])
+    keys = torch.where(candidate, torch.where(grow, -scores.float(), scores.float()), torch.inf).reshape(-1)
+    chosen = ((_rank(keys) < gap.abs()) & candidate.reshape(-1)).view(n, p).sum(1)
+    return seeds + torch.where(grow, chosen, -chosen)

@@ -16,8 +16,6 @@ import torch
 
 from dscale_runtime.kernels import TRITON_DTYPES, requested_backend, triton_available
 
-AUTO_TRITON = False  # whether auto picks the Triton path on CUDA (see features_backend)
-
 
 def features_backend(draft_logits: torch.Tensor, num_ranks: int, backend: str | None = None) -> str:
     """'ref' or 'triton' for this call: the argument, else DSCALE_FEATURES, else auto."""
@@ -25,11 +23,8 @@ def features_backend(draft_logits: torch.Tensor, num_ranks: int, backend: str | 
     if draft_logits.shape[-1] < num_ranks:
         return "ref"
     if choice == "auto":
-        # NOTE: auto keeps the reference until the kernel's GPU tests (tests/test_kernels_features.py -m gpu)
-        # have passed on a device; it is verified in the interpreter and built for sm_90 offline only.
-        # DSCALE_FEATURES=triton opts in. Flip AUTO_TRITON once the device run is green.
         usable = draft_logits.is_cuda and draft_logits.dtype in TRITON_DTYPES and triton_available()
-        return "triton" if usable and AUTO_TRITON else "ref"
+        return "triton" if usable else "ref"
     return choice
 
 

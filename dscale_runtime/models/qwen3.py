@@ -53,8 +53,10 @@ class Qwen3ForCausalLM(nn.Module):
         caches: list[KVLayerCache],
         logits_rows: torch.Tensor | None = None,  # [R] row indices whose logits are wanted (None: all)
         capture_layers: tuple[int, ...] = (),
+        float_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns (logits [R, vocab] fp32, features [T, len(capture_layers) * d] or None)."""
+        """Returns (logits [R, vocab] fp32, or in the model's dtype when not `float_logits` (an exact upcast
+        away: enough for greedy argmax), features [T, len(capture_layers) * d] or None)."""
         x, delta = self.embed(token_ids), None
         captured: dict[int, torch.Tensor] = {}
         last = len(self.model.layers) - 1
@@ -68,4 +70,5 @@ class Qwen3ForCausalLM(nn.Module):
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if logits_rows is not None:
             x = x[logits_rows]
-        return self.compute_logits(self.model.norm(x)), features
+        hidden = self.model.norm(x)
+        return (self.compute_logits(hidden) if float_logits else self.lm_head(hidden)), features

@@ -46,9 +46,10 @@ class ServeConfig:
     lone request at full width (8 rows lose drafts there); profile larger values per model and GPU."""
     measure_retention: bool = False
     """DScale: also run full-width verification to report retention in /metrics (costs a second forward)."""
-    step_graphs: bool = False
-    """Speculative modes: greedy decode steps on fixed per-batch-bucket buffers, captured as CUDA graphs on
-    CUDA (each bucket is captured when first used)."""
+    step_graphs: bool | None = None
+    """Speculative modes: greedy decode steps on fixed per-batch-bucket buffers, captured as CUDA graphs at
+    start-up on CUDA; default: on with a CUDA device (4-8x the tokens/s of eager steps on the demo pair,
+    docs/benchmarks.md), off elsewhere (without graphs the fixed buckets only add padding rows)."""
     api_key: str | None = None
     """When set, /v1/* requests must send 'Authorization: Bearer KEY'."""
     served_model_name: str | None = None
@@ -59,6 +60,9 @@ class ServeConfig:
     """Torch device ('cpu', 'cuda', ...)."""
     dtype: str = "auto"
     """'float32', 'bfloat16', 'float16' or 'auto' (bf16 on CUDA, fp32 on CPU)."""
+    draft_dtype: str | None = None
+    """The drafter's dtype; default: --dtype. Output never depends on it (the target verifies every token);
+    a bf16 drafter beside an fp32 target is faster on a CPU."""
     seed: int = 0
     """Seed of the engine's random stream for requests without a seed."""
     log_level: str = "info"

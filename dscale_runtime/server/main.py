@@ -26,9 +26,10 @@ def load_engine(config: ServeConfig, engine_cls=None):
     engine_config = EngineConfig(
         mode=config.mode, max_running_requests=config.max_running_requests, max_model_len=max_model_len,
         kv_cache_tokens=config.kv_cache_tokens, budget_ratio=config.budget_ratio,
-        full_width_max_batch=config.full_width_max_batch, step_graphs=config.step_graphs,
+        full_width_max_batch=config.full_width_max_batch,
+        step_graphs=config.step_graphs if config.step_graphs is not None else config.device.startswith("cuda"),
         measure_retention=config.measure_retention and config.mode == "dscale", device=config.device,
-        dtype=config.dtype, seed=config.seed)
+        dtype=config.dtype, draft_dtype=config.draft_dtype, seed=config.seed)
     return (engine_cls or Engine).from_pretrained(config.target_path, config.drafter_path, config.predictor_path,
                                                   config=engine_config)
 
