@@ -372,3 +372,22 @@ def test_cli_flags():
     assert parse_config(ServeConfig, "dscale-serve", []).predictor_path == DEMO_PREDICTOR
     with pytest.raises(SystemExit):
         parse_config(ServeConfig, "dscale-serve", ["--mode", "fast"])
+
+
+def test_engine_options_from_flags():
+    """Step graphs default on with a CUDA device only; --draft-dtype reaches the engine."""
+    from dscale_runtime.server.main import load_engine
+
+    class Recorder:
+        @staticmethod
+        def from_pretrained(target, drafter, predictor, config):
+            return config
+
+    def engine_config(*flags):
+        return load_engine(parse_config(ServeConfig, "dscale-serve", ["--mode", "dflash", *flags]), Recorder)
+
+    assert engine_config().step_graphs is False and engine_config().draft_dtype is None
+    assert engine_config("--device", "cuda").step_graphs is True
+    assert engine_config("--device", "cuda:1", "--step-graphs", "false").step_graphs is False
+    assert engine_config("--step-graphs").step_graphs is True
+    assert engine_config("--draft-dtype", "bfloat16").draft_dtype == "bfloat16"
