@@ -5,9 +5,10 @@ Same engine, same prompts, greedy; tokens/s = generated tokens / wall time over 
 entry TARGET[/DRAFTER]: float32 (the engine's CPU default), bfloat16 (the checkpoint's dtype; CPUs with
 AVX512-BF16 or AMX run it natively), or float32/bfloat16 (an fp32 target, whose greedy output is the
 reference, beside a bf16 drafter: `EngineConfig.draft_dtype`; a CPU decode step is bound by memory
-bandwidth, and the drafter's precision never changes the output). Also counts the prompts whose DFlash output equals target-only output and, where
-they differ, the target's top-2 logit margin at the first differing token (recomputed in float32 over the
-shared prefix): lossless greedy allows differences only at such near-ties of reduced precision.
+bandwidth, and the drafter's precision never changes the output). Also counts the prompts whose DFlash
+output equals target-only output and, where they differ, the target's top-2 logit margin at the first
+differing token (recomputed in float32 over the shared prefix): lossless greedy allows differences only at
+such near-ties of reduced precision.
 Writes artifacts/demo/cpu_speed.json (read by the artifacts README) and prints a table.
 
     python benchmarks/demo_cpu_speed.py --prompts 8 --max-tokens 128 --repeats 3 --dtypes float32/bfloat16,float32

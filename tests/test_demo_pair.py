@@ -81,11 +81,13 @@ def test_bf16_drafter_beside_fp32_target_is_lossless():
     accepted = {}
     for draft_dtype, mode, graphs in [(None, "dflash", False), ("bfloat16", "dflash", False),
                                       ("bfloat16", "dscale", False), ("bfloat16", "dscale", True)]:
-        engine = Engine.from_pretrained(
-            DEMO_DIR / "target", DEMO_DIR / "drafter", predictor=DEMO_DIR.parent / "demo.pt" if mode == "dscale" else None,
-            config=EngineConfig(mode=mode, draft_dtype=draft_dtype, step_graphs=graphs, **base))
+        predictor = DEMO_DIR.parent / "demo.pt" if mode == "dscale" else None
+        engine = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter", predictor=predictor,
+                                        config=EngineConfig(mode=mode, draft_dtype=draft_dtype, step_graphs=graphs,
+                                                            **base))
         assert engine.target.lm_head.weight.dtype == torch.float32
-        assert engine.drafter.dtype == engine.drafter_cache.k.dtype == (torch.bfloat16 if draft_dtype else torch.float32)
+        want_dtype = torch.bfloat16 if draft_dtype else torch.float32
+        assert engine.drafter.dtype == engine.drafter_cache.k.dtype == want_dtype
         assert [o.token_ids for o in engine.generate(prompts, params)] == want, (draft_dtype, mode, graphs)
         accepted[draft_dtype, mode, graphs] = engine.counters.accepted_drafts / engine.counters.request_steps
     assert accepted["bfloat16", "dflash", False] > 0.9 * accepted[None, "dflash", False] > 0
