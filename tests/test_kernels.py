@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+from markers import needs_cuda, needs_triton
 from dscale_runtime.attention import build_metadata, paged_attention_ref
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.kernels import (
@@ -26,8 +27,6 @@ from dscale_runtime.kernels import (
     triton_available,
 )
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
 W = 16  # verification block
 
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from markers import needs_cuda, needs_triton
 from dscale_runtime.dvl.features import confidence_features_ref
-from dscale_runtime.kernels import triton_available
 from dscale_runtime.kernels.features import confidence_features, features_backend
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
 RANKS = 16
 QWEN3_VOCAB = 151936
 

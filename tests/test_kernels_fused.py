@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from markers import needs_cuda, needs_triton
 from dscale_runtime.kernels import fused, triton_available
 from dscale_runtime.kernels.fused import (
     add_rms_norm,
@@ -34,8 +35,6 @@ from dscale_runtime.kernels.fused import (
 )
 from dscale_runtime.models.layers import rope_cos_sin
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton")
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]
 NORM_SHAPES = [(0, 64), (1, 4096), (17, 384), (2, 8192), (5, 128)]  # (T, d)
