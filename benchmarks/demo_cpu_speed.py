@@ -85,8 +85,8 @@ def main() -> None:
         "speedup": head["speedup"], "dtypes": results,
     }
     (Path(DEMO_DIR) / "cpu_speed.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"| dtype | target tok/s | DFlash tok/s | speedup | prompts equal | differences (fp32 margin) |\n"
-          f"|---|---|---|---|---|---|")
+    print("| dtype | target tok/s | DFlash tok/s | speedup | prompts equal | differences (fp32 margin) |\n"
+          "|---|---|---|---|---|---|")
     for dtype, r in results.items():
         diffs = "; ".join(f"#{d['prompt']} at {d['first_difference']}: {d['fp32_top2_margin']}" for d in r["differences"])
         print(f"| {dtype} | {r['target_tokens_per_s']} | {r['dflash_tokens_per_s']} | {r['speedup']}x | "
