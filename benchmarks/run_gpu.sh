@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 8 on the device: the GPU tests, then every timing. Usage: bash benchmarks/run_gpu.sh OUT_DIR [tests|bench|all]
-# (all: both in one call, ~13 min; split into two calls where a call is limited to 10 minutes). Up to 11 files
+# (all: both in one call, ~20 min; split into two calls where a call is limited to 10 minutes). Up to 13 files
 # land in OUT_DIR: where a remote runner returns fewer files per call, pack OUT_DIR into one archive after it.
 # Each section has its own time limit so one slow part cannot starve the others; logs and JSON go to OUT_DIR.
 # Needs the repository's dependencies (jsonargparse too: carry its wheel where the GPU image lacks it).
@@ -13,16 +13,20 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
 if [ "$part" != bench ]; then
-  for f in tests/test_kernels_features.py tests/test_kernels_fused.py tests/test_kernels.py tests/test_fastpath.py tests/test_step_graphs.py \
-           tests/test_gpu.py tests/test_dvl.py; do
+  for f in tests/test_kernels_features.py tests/test_kernels_fused.py tests/test_kernels.py tests/test_gpu_step.py \
+           tests/test_runner.py tests/test_gpu.py tests/test_dvl.py; do
+    [ -f "$f" ] || { echo "missing $f" | tee -a "$out/gpu_tests.log"; continue; }
     timeout 150 python -m pytest -q -m gpu -p no:cacheprovider "$f" 2>&1 | tail -25 | tee -a "$out/gpu_tests.log"
   done
 fi
 if [ "$part" != tests ]; then
-  python -m dscale_runtime.kernels.triton_features 2>&1 | tail -12 | tee "$out/features_bench.log"
-  python -m dscale_runtime.kernels.triton_fused 2>&1 | tail -12 | tee "$out/fused_bench.log"
-  timeout 60 python -m dscale_runtime.kernels.bench_attention --output "$out/attention.json" 2>&1 | tail -30 | tee "$out/attention.log"
-  timeout 320 python benchmarks/gpu_step.py --time-budget 280 --out "$out/gpu_step.json" 2>&1 | tail -60 | tee "$out/gpu_step.log"
+  python benchmarks/bench_features.py 2>&1 | tail -12 | tee "$out/features_bench.log"
+  python benchmarks/bench_fused.py 2>&1 | tail -12 | tee "$out/fused_bench.log"
+  timeout 60 python benchmarks/bench_attention.py --output "$out/attention.json" 2>&1 | tail -30 | tee "$out/attention.log"
+  timeout 300 python benchmarks/gpu_step.py --shapes qwen3-8b --time-budget 260 --out "$out/gpu_step.json" 2>&1 \
+    | tail -60 | tee "$out/gpu_step.log"
+  timeout 300 python benchmarks/gpu_step.py --shapes qwen3-8b --sections buckets --time-budget 260 \
+    --out "$out/gpu_buckets.json" 2>&1 | tail -90 | tee "$out/gpu_buckets.log"
   timeout 200 python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 --concurrency 8 16 32 --step-graphs \
     --out "$out/e2e.json" 2>&1 | tail -20 | tee "$out/e2e.log"
 fi

@@ -180,17 +180,21 @@ def _plots(report: dict, run_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`dscale-train --target demo [--max_epochs 10] ...` (reads configs/<target>.yaml's `train:` section)."""
+    """`dscale-train --target demo [--max-epochs 10] ...` (reads configs/<target>.yaml's `train:` section)."""
     from dscale_runtime.cli import pre_parse, section_parser
 
     argv = sys.argv[1:] if argv is None else argv
     known = pre_parse(argv, ("--target", None), ("--configs_dir", "configs"))
     path = Path(known.configs_dir) / f"{known.target}.yaml" if known.target else None
-    parser = section_parser("dscale-train", __doc__, TrainConfig, "train", str(path) if path else None)
-    parser.add_argument("--target", type=str, help="configs/<target>.yaml to read (e.g. demo, qwen3-8b)")
-    parser.add_argument("--configs_dir", type=str, default="configs", help="folder of the target configs")
+    parser = section_parser("dscale-train", __doc__, TrainConfig, "train", str(path) if path else None, extra=(
+        ("--target", {"type": str, "help": "configs/<target>.yaml to read (e.g. demo, qwen3-8b)"}),
+        ("--configs_dir", {"type": str, "default": "configs", "help": "folder of the target configs"})))
     args = parser.parse_args(argv)
-    train(TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("target", "configs_dir")}))
+    try:
+        config = TrainConfig(**{k: v for k, v in vars(args).items() if k not in ("target", "configs_dir")})
+    except ValueError as exc:
+        parser.error(str(exc))
+    train(config)
 
 
 if __name__ == "__main__":

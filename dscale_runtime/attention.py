@@ -4,8 +4,8 @@ Rows of one forward are packed request after request (prefill chunks, 16-slot ve
 variable prefixes or single decode rows alike). `AttentionMetadata` says, for every row, which request
 it belongs to and where it sits, and for every request which cache pages it owns. The portable path
 here gathers each request's keys, pads the queries per request and runs SDPA with an explicit mask; it
-is the oracle for any fast kernel. The models call `dscale_runtime.kernels.paged_attention`, which routes
-to the Triton kernels on CUDA and to this path otherwise.
+is the oracle for any fast kernel. The models call `dscale_runtime.kernels.paged_attention` with the path
+of their `KernelChoice`: the Triton kernels (chosen on CUDA) or this path (always on CPU).
 """
 
 from __future__ import annotations

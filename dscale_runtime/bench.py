@@ -2,10 +2,11 @@
 
 c workers each send their next request as soon as the last one finished. For every mode and concurrency:
 warmup requests, then `repetitions` passes over the same fixed manifest of measured requests (demo prompts,
-greedy, fixed max_tokens), each pass giving output-token throughput, E2E latency mean/p95/p99, TTFT, TPOT
-and the mean acceptance length (from the server's /metrics counters over the pass); the report keeps every
-pass and their medians. `--launch` starts one dscale-serve per mode and stops it after its sweep; without
-it the benchmark measures the server at `--url`. Writes bench.json, bench.csv and bench.png to `--output`.
+fixed max_tokens; greedy unless --temperature > 0, request i seeded with --sampling-seed + i), each pass
+giving output-token throughput, E2E latency mean/p95/p99, TTFT, TPOT and the mean acceptance length (from the
+server's /metrics counters over the pass); the report keeps every pass, their medians and the sampling
+settings. `--launch` starts one dscale-serve per mode and stops it after its sweep; without it the benchmark
+measures the server at `--url`. Writes bench.json, bench.csv and bench.png to `--output`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import csv
 import dataclasses
 import datetime
 import json
+import math
 import platform
 import random
 import socket
@@ -33,6 +35,7 @@ from dscale_runtime.server.flags import parse_config
 
 METRICS = ("output_throughput", "e2e_mean", "e2e_p95", "e2e_p99", "ttft_mean", "ttft_p95", "tpot_mean",
            "mean_acceptance_length", "completion_tokens", "duration")
+SAMPLING = ("temperature", "top_p", "top_k", "sampling_seed")
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,19 @@ class BenchConfig:
     repetitions: int = 3
     """Passes over the manifest per point; the report gives each pass and the medians."""
     max_tokens: int = 64
-    """max_tokens of every request (greedy, temperature 0)."""
+    """max_tokens of every request."""
+    temperature: float = 0.0
+    """temperature of every request (0 = greedy, the paper's protocol)."""
+    top_p: float = 1.0
+    """top_p of every request, in (0, 1] (1 = off)."""
+    top_k: int = -1
+    """top_k of every request (-1 = off, else >= 1)."""
+    sampling_seed: int = 0
+    """Base of the per-request sampling seeds: request i of the manifest sends seed = sampling_seed + i."""
     prompts: str = "stdlib"
     """Prompt set: 'stdlib' (held-out demo prompts), 'humaneval', 'demo' (both) or a JSONL file with 'prompt'."""
     seed: int = 0
-    """Seed of the manifest's draw from the prompt set."""
+    """Seed of the manifest's draw from the prompt set (the sampling seeds are --sampling-seed)."""
     output: str = "runs/bench"
     """Folder for bench.json, bench.csv, bench.png and the launched servers' logs."""
     plot: str | None = None
@@ -95,6 +106,12 @@ class BenchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"--top-k must be -1 (off) or >= 1, got {self.top_k}")
 
     @property
     def mode_list(self) -> list[str]:
@@ -103,6 +120,11 @@ class BenchConfig:
     @property
     def concurrency_list(self) -> list[int]:
         return [int(c) for c in self.concurrency.split(",") if c.strip()]
+
+    @property
+    def sampling(self) -> dict:
+        """The sampling settings every request carries, reported with every point (bench.json, bench.csv)."""
+        return {k: getattr(self, k) for k in SAMPLING}
 
 
 # ---------------------------------------------------------------------------------------------- manifest
@@ -118,21 +140,23 @@ def load_prompts(name: str) -> list[dict]:
 
 
 def manifest(config: BenchConfig) -> tuple[list[dict], list[dict]]:
-    """(warmup requests, measured requests): a seeded draw from the prompt set, cycled when it is short."""
+    """(warmup requests, measured requests): a seeded draw from the prompt set, cycled when it is short. Measured
+    request i carries seed sampling_seed + i (warmup j: + num_requests + j), the same in every pass and point."""
     pool = load_prompts(config.prompts)
     order = list(range(len(pool)))
     random.Random(config.seed).shuffle(order)
     total = config.num_requests + config.warmup
     chosen = [pool[order[i % len(order)]] for i in range(total)]
-    requests = [{"id": p["id"], "prompt": p["prompt"], "max_tokens": config.max_tokens, "temperature": 0}
-                for p in chosen]
+    requests = [{"id": p["id"], "prompt": p["prompt"], "max_tokens": config.max_tokens,
+                 "temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                 "seed": config.sampling_seed + i} for i, p in enumerate(chosen)]
     return requests[config.num_requests :], requests[: config.num_requests]
 
 
 # ---------------------------------------------------------------------------------------------- one pass
 async def _send(http: httpx.AsyncClient, model: str, request: dict) -> dict:
-    body = {"model": model, "prompt": request["prompt"], "max_tokens": request["max_tokens"],
-            "temperature": request["temperature"], "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": request["prompt"], "stream": True, "stream_options": {"include_usage": True},
+            **{k: request[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")}}
     start = time.perf_counter()
     first, tokens = None, None
     async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -270,8 +294,16 @@ def server_identity(url: str) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- report
+def sampling_caption(sampling: dict) -> str:
+    """One line naming the sampling settings, e.g. 'temperature 0.0 (greedy), top_p 1.0, top_k -1 (off), ...'."""
+    return (f"temperature {sampling['temperature']}{' (greedy)' if sampling['temperature'] == 0 else ''}, "
+            f"top_p {sampling['top_p']}, top_k {sampling['top_k']}{' (off)' if sampling['top_k'] == -1 else ''}, "
+            f"seed {sampling['sampling_seed']} + request index")
+
+
 def table(points: list[dict]) -> str:
-    rows = ["| mode | c | tok/s | E2E mean (s) | E2E p95 (s) | E2E p99 (s) | TTFT mean (s) | TPOT (ms) | accept len |",
+    rows = [f"Sampling: {sampling_caption(points[0])}", "",
+            "| mode | c | tok/s | E2E mean (s) | E2E p95 (s) | E2E p99 (s) | TTFT mean (s) | TPOT (ms) | accept len |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in points:
         m = p["median"]
@@ -289,9 +321,10 @@ def table(points: list[dict]) -> str:
 def write_csv(points: list[dict], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["mode", "concurrency", "repetitions", *METRICS])
+        writer.writerow(["mode", "concurrency", "repetitions", *SAMPLING, *METRICS])
         for p in points:
-            writer.writerow([p["mode"], p["concurrency"], len(p["passes"]), *(p["median"][k] for k in METRICS)])
+            writer.writerow([p["mode"], p["concurrency"], len(p["passes"]), *(p[k] for k in SAMPLING),
+                             *(p["median"][k] for k in METRICS)])
 
 
 def plot(points: list[dict], path: Path, title: str) -> None:
@@ -335,7 +368,7 @@ def run(config: BenchConfig, command: str | None = None) -> dict:
         for c in config.concurrency_list:
             print(f"[dscale-bench] {mode} c={c}: {config.warmup} warmup + {config.repetitions} x "
                   f"{len(measured)} requests", flush=True)
-            points.append({"mode": mode, **measure_point(config, url, model, c, warmup, measured)})
+            points.append({"mode": mode, **config.sampling, **measure_point(config, url, model, c, warmup, measured)})
 
     if config.launch:
         for mode in config.mode_list:
@@ -356,7 +389,7 @@ def run(config: BenchConfig, command: str | None = None) -> dict:
     png = Path(config.plot) if config.plot else out / "bench.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(points, png, f"dscale-bench: {config.num_requests} requests x {config.max_tokens} tokens, "
-                                    f"median of {config.repetitions} ({config.device})")
+                      f"median of {config.repetitions} ({config.device})\n{sampling_caption(config.sampling)}")
     return report
 
 

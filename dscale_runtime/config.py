@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MODES = ("target", "dflash", "dscale")
+SAMPLING_RULES = ("auto", "top1", "sampled")
 DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
 
@@ -53,9 +54,20 @@ class EngineConfig:
     """DScale only: also run full-width verification each step to measure retention (costs a second
     target forward; for analysis, not serving)."""
     step_graphs: bool = False
-    """Speculative modes: run greedy decode steps on fixed per-bucket buffers (`dscale_runtime.step_graphs`),
-    captured as CUDA graphs on CUDA (eager elsewhere); steps with sampled requests, step observers or
-    `measure_retention` take the ordinary path."""
+    """Capture the step runner's decode steps (`dscale_runtime/runner.py`) as CUDA graphs, one per batch bucket
+    and step kind, at start-up (CUDA only). Every step runs through the runner either way; without graphs it
+    runs eagerly (always on the CPU)."""
+    graph_buckets: tuple[int, ...] | None = None
+    """Batch sizes the runner keeps fixed buffers (and, with `step_graphs`, graphs) for: a batch of n runs in the
+    smallest bucket >= n. None: 1, 2, 4, 8, then every multiple of 8, up to `max_running_requests`."""
+    sampling_rule: str = "auto"
+    """Acceptance rule of sampled requests (greedy requests always take the argmax): 'top1' (the paper's rule:
+    top-1 drafts accepted with probability p(x); seeded output equals target-only sampling token for token),
+    'sampled' (drafts sampled from the drafter's policy q, accepted with min(1, p/q): z-lab's reference rule)
+    or 'auto' ('sampled' at temperatures >= `sampled_drafts_min_temperature`, else 'top1'). Both are exact."""
+    sampled_drafts_min_temperature: float = 0.9
+    """With sampling_rule='auto': the temperature from which requests use sampled drafts (measured on held-out
+    demo prompts: docs/benchmarks.md, issue 15)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,6 +88,16 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES + ('auto',)}, got '{self.dtype}'")
         if self.draft_dtype is not None and self.draft_dtype not in DTYPES:
             raise ValueError(f"EngineConfig.draft_dtype must be None or one of {DTYPES}, got '{self.draft_dtype}'")
+        if self.sampling_rule not in SAMPLING_RULES:
+            raise ValueError(f"EngineConfig.sampling_rule must be one of {SAMPLING_RULES}, got '{self.sampling_rule}'")
+        if not self.sampled_drafts_min_temperature >= 0:
+            raise ValueError("EngineConfig.sampled_drafts_min_temperature must be >= 0, got "
+                             f"{self.sampled_drafts_min_temperature}")
+        if self.graph_buckets is not None:
+            object.__setattr__(self, "graph_buckets", tuple(int(b) for b in self.graph_buckets))
+            if not self.graph_buckets or min(self.graph_buckets) < 1 or max(self.graph_buckets) < self.max_running_requests:
+                raise ValueError(f"EngineConfig.graph_buckets must be sizes >= 1 whose largest reaches "
+                                 f"max_running_requests={self.max_running_requests}, got {self.graph_buckets}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"EngineConfig.kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
 

@@ -1,9 +1,11 @@
-"""The engine: the public API (`Engine.from_pretrained`, `add_request`, `step`, `generate`) and the decode step.
+"""The engine: the public API (`Engine.from_pretrained`, `add_request`, `step`, `generate`), scheduling,
+prefill and commit.
 
-One step: schedule -> prefill the admitted requests -> draft (N x W, one drafter forward) -> verify (one
-target forward over the packed rows) -> accept -> commit on the host (stop rules, lengths) -> inject the
-accepted rows' target features into the drafter cache. `mode="target"` is the same step with W = 1 and no
-drafter: the reference every speculative mode must reproduce token for token under greedy decoding.
+One step: schedule -> prefill the admitted requests -> one decode step of the running batch through the step
+runner (`runner.py`: draft, decide, verify, inject, on fixed buffers, captured on CUDA) -> commit on the host
+(stop rules, lengths, observers). `mode="target"` is the runner's step with W = 1 and no drafter: the
+reference every speculative mode must reproduce token for token under greedy decoding (and, with the top-1
+rule, under seeded sampling).
 """
 
 from __future__ import annotations
@@ -17,19 +19,17 @@ import torch
 
 from dscale_runtime.attention import build_metadata
 from dscale_runtime.config import EngineConfig, RequestOutput, SamplingParams
-from dscale_runtime.dvl.allocate import allocate, budget_rows
-from dscale_runtime.dvl.features import FeatureSpec, acceptance_features, context_features, hidden_projection
-from dscale_runtime.dvl.pack import flat_pack, packed_metadata
-from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity, seed_lengths
+from dscale_runtime.dvl.features import FeatureSpec, context_features
+from dscale_runtime.dvl.features import hidden_projection as seeded_projection
+from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity
 from dscale_runtime.kv_cache import PageAllocator, PagedKVCache
 from dscale_runtime.models.dflash import DFlashDraftModel
 from dscale_runtime.models.loader import load_drafter, load_target, load_tokenizer, read_eos_ids, resolve_dtype
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
-from dscale_runtime.sampling import SamplingBatch, policy_probs, sample, uniforms
+from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1, StepKind, StepResult, StepRunner
+from dscale_runtime.sampling import SamplingRows, split_seed, target_tokens
 from dscale_runtime.scheduler import Request, Scheduler
 from dscale_runtime.stats import EngineCounters, StepStats, StepTrace, retained_drafts
-from dscale_runtime.verify import accept_greedy, accept_sampling
-
 
 class Engine:
     def __init__(
@@ -100,18 +100,22 @@ class Engine:
         self.step_observers: list = []
         """Callables receiving a `StepTrace` after every speculative decode step (features are computed only
         while at least one observer is registered, or in dscale mode)."""
-        self.step_graphs = None  # fixed per-bucket decode steps (CUDA graphs on CUDA): EngineConfig.step_graphs
-        if config.step_graphs and config.mode != "target":
-            from dscale_runtime.step_graphs import StepGraphs
-
-            if self.hidden_projection is None and config.mode == "dscale":
-                self.hidden_projection = hidden_projection(self.feature_spec, drafter.config.layers.hidden_size).to(
-                    self.device)
-            self.step_graphs = StepGraphs(self)
-            if self.step_graphs.use_graphs:
-                self.step_graphs.prepare()
+        if self.hidden_projection is None and config.mode != "target":
+            self.hidden_projection = seeded_projection(self.feature_spec, drafter.config.layers.hidden_size).to(
+                self.device)
+        self.runner = StepRunner(
+            target, drafter if config.mode != "target" else None, self.target_cache.layers,
+            self.drafter_cache.layers if self.drafter_cache is not None else None, mode=config.mode,
+            block_size=self.block_size, max_batch=config.max_running_requests,
+            max_pages=-(-(config.max_model_len + lookahead) // config.page_size), page_size=config.page_size,
+            budget_ratio=config.budget_ratio, full_width_max_batch=config.full_width_max_batch,
+            feature_spec=self.feature_spec, predictor=self.predictor, projection=self.hidden_projection,
+            buckets=list(config.graph_buckets) if config.graph_buckets else None,
+            use_graphs=config.step_graphs and self.device.type == "cuda", device=self.device)
+        if self.runner.use_graphs:
+            self.runner.prepare(self._serving_kinds())
         self._ids = itertools.count()
-        self._generator = torch.Generator(device=self.device)
+        self._generator = torch.Generator()
         self._generator.manual_seed(config.seed)
 
     # ------------------------------------------------------------------ construction
@@ -177,9 +181,11 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use")
         request = Request(request_id, token_ids, params)
-        if params.seed is not None:
-            request.generator = torch.Generator(device=self.device)
-            request.generator.manual_seed(params.seed)
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**63 - 1, (), generator=self._generator))
+        top_k = params.top_k if 0 < params.top_k < vocab else -1  # NOTE: k >= vocabulary keeps every token
+        request.sampling = (*split_seed(seed % 2**64), top_k, self._rule(params), params.temperature or 1.0,
+                            params.top_p)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -245,25 +251,49 @@ class Engine:
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
-        """Per-request policy parameters (gather them per row with `.rows(row_req)`)."""
-        ps = [r.params for r in requests]
-        return SamplingBatch(
-            torch.tensor([p.temperature or 1.0 for p in ps], dtype=torch.float32, device=self.device),
-            self._tensor([p.top_k for p in ps]),
-            torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=self.device),
-            any(p.top_k > 0 or p.top_p < 1 for p in ps),
-        )
+    def _rule(self, params: SamplingParams) -> int:
+        """The acceptance rule of a request (`EngineConfig.sampling_rule`; DESIGN 3.5)."""
+        if params.greedy:
+            return RULE_GREEDY
+        rule = self.config.sampling_rule
+        if rule == "auto":
+            rule = "sampled" if params.temperature >= self.config.sampled_drafts_min_temperature else "top1"
+        return RULE_SAMPLED if rule == "sampled" and self.config.mode != "target" else RULE_TOP1
+
+    def _serving_kinds(self) -> list[StepKind]:
+        """The step kinds captured at start-up: greedy, and sampled with and without filters (with sampled
+        drafts where the configured rule can pick them)."""
+        mode = self.config.mode
+        rules = {"top1": (False,), "sampled": (True,), "auto": (False, True)}[self.config.sampling_rule]
+        kinds = [StepKind(mode)]
+        for filtered in (False, True):
+            for drafts in (rules if mode != "target" else (False,)):
+                kinds.append(StepKind(mode, sampled=True, filtered=filtered, draft_sampling=drafts))
+        return kinds
+
+    def _step_kind(self, requests: list[Request], mode: str) -> StepKind:
+        """The kind of this batch's step: decided on the host from the requests' sampling parameters."""
+        rules = [r.sampling[3] for r in requests]
+        sampled = any(rule != RULE_GREEDY for rule in rules)
+        filtered = any(rule != RULE_GREEDY and (r.sampling[2] > 0 or r.sampling[5] < 1)
+                       for rule, r in zip(rules, requests))
+        traced = bool(self.step_observers) and mode != "target"
+        return StepKind(mode, sampled=sampled, filtered=filtered,
+                        draft_sampling=mode != "target" and RULE_SAMPLED in rules, features=traced,
+                        retention=self.config.measure_retention and mode == "dscale")
 
     def _first_tokens(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if sampled:
-            rows = self._tensor(sampled)
-            subset = [requests[i] for i in sampled]
-            probs = policy_probs(logits[rows], self._sampling_batch(subset))
-            tokens[rows] = sample(probs, [r.generator for r in subset], self._generator)
-        return tokens.tolist()
+        """The first generated token of each request from its prompt's last logits [n, V] (the same draw
+        target-only decoding makes at that position)."""
+        cols = list(zip(*(r.sampling for r in requests)))
+        rows = SamplingRows(self._tensor(cols[3]) == RULE_GREEDY,
+                            torch.tensor(cols[4], dtype=torch.float32, device=self.device), self._tensor(cols[2]),
+                            torch.tensor(cols[5], dtype=torch.float32, device=self.device), self._tensor(cols[0]),
+                            self._tensor(cols[1]))
+        sampled = any(rule != RULE_GREEDY for rule in cols[3])
+        filtered = any(k > 0 or p < 1 for k, p in zip(cols[2], cols[5]))
+        positions = self._tensor([len(r.prompt_token_ids) for r in requests])
+        return target_tokens(logits, rows, positions, filtered, sampled)[0].tolist()
 
     def _prefill(self, requests: list[Request]) -> list[Request]:
         query = [r.all_token_ids[: r.num_tokens - 1] if r.output_token_ids else r.prompt_token_ids for r in requests]
@@ -287,111 +317,27 @@ class Engine:
                     finished.append(requests[i])
         return finished
 
-    def _draft(self, requests: list[Request], block_meta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One drafter forward over N blocks -> (draft tokens [N, W] with slot 0 = anchor,
-        draft logits [N, W-1, V], drafter hidden states [N, W-1, d] at the draft positions).
-
-        `block_meta` addresses the W slots after each request's context (the verification rows' own
-        addresses); the drafter attends to them bidirectionally."""
-        n, w = len(requests), self.block_size
-        block = torch.full((n, w), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
-        block[:, 0] = self._tensor([r.last_token_id for r in requests])
-        meta = dataclasses.replace(block_meta, causal=False)
-        draft_logits, hidden = self.drafter.propose(block, self.target, meta, self.drafter_cache.layers)
-        return block, draft_logits, hidden
-
-    def _verify(self, logits: torch.Tensor, draft_tokens: torch.Tensor, verify_lens: torch.Tensor,
-                verify_offsets: torch.Tensor, row_req: torch.Tensor, requests: list[Request]):
-        """Accepted drafts [N] and successors [N] on the packed layout (row_req [M]: request of each row)."""
-        accepted, successor = accept_greedy(logits.argmax(dim=-1), draft_tokens, verify_lens, verify_offsets)
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        if sampled:
-            batch = self._sampling_batch(requests)
-            probs = policy_probs(logits, batch.rows(row_req.clamp(max=len(requests) - 1)))
-            gens = [r.generator for r in requests]
-            coins = uniforms(len(requests), draft_tokens.shape[1] - 1, gens, self._generator, self.device)
-            s_acc, s_succ = accept_sampling(probs, draft_tokens, verify_lens, verify_offsets, coins,
-                                            lambda p: sample(p, gens, self._generator))
-            is_sampled = torch.zeros(len(requests), dtype=torch.bool, device=self.device)
-            is_sampled[self._tensor(sampled)] = True
-            accepted = torch.where(is_sampled, s_acc, accepted)
-            successor = torch.where(is_sampled, s_succ, successor)
-        return accepted, successor
-
-    def _features(self, requests: list[Request], ctx: list[int], draft_logits: torch.Tensor,
-                  draft_hidden: torch.Tensor) -> torch.Tensor:
-        """The shared acceptance features [N, spec.width] of this step's drafts."""
-        if self.hidden_projection is None:
-            self.hidden_projection = hidden_projection(self.feature_spec, draft_hidden.shape[-1]).to(self.device)
-        context = context_features(self.feature_spec, len(requests), ctx, [r.stats.num_steps for r in requests],
-                                   [r.stats.accepted_lens for r in requests], self.device)
-        return acceptance_features(self.feature_spec, draft_logits, draft_hidden, self.hidden_projection, context)
-
-    def _decide(self, features: torch.Tensor, num_live: int) -> tuple[torch.Tensor, int]:
-        """DVL decision: predictor scores -> seeds -> Algorithm 1 -> verify lengths k [N] and M_live."""
-        scores = self.predictor.scores(features)
-        seeds = seed_lengths(scores, self.block_size)
-        rows = budget_rows(num_live, self.block_size, self.config.budget_ratio)
-        live = torch.ones(num_live, dtype=torch.bool, device=self.device)
-        return allocate(scores, seeds, live, rows), rows
-
     def _decode(self, requests: list[Request]) -> list[Request]:
-        n, w, mode = len(requests), self.block_size, self.config.mode
-        if (self.step_graphs is not None and mode != "target" and not self.step_observers
-                and not self.config.measure_retention and all(r.params.greedy for r in requests)):
-            step_mode = self.step_graphs.mode_for(n)
-            accepted_l, successor_l, lens_l, drafts_l, rows = self.step_graphs.run(requests, step_mode)
-            finished = self._advance(requests, accepted_l, successor_l, drafts_l, lens_l)
-            self._record(requests, accepted_l, lens_l, rows)
-            return finished
+        """One decode step of the running batch through the runner, then the host commit."""
+        n = len(requests)
+        mode = self.runner.mode_for(n)
+        kind = self._step_kind(requests, mode)
         ctx = [r.num_computed for r in requests]
-        full_meta = build_metadata([w] * n, ctx, [r.pages for r in requests], self.config.page_size, self.device,
-                                   causal=True)
-        if mode == "target":
-            draft_tokens = self._tensor([[r.last_token_id] for r in requests])
-        else:
-            draft_tokens, draft_logits, draft_hidden = self._draft(requests, full_meta)
-        full_accepted = None
-        features_in = None
-        decide = mode == "dscale" and n > self.config.full_width_max_batch
-        if decide or (self.step_observers and mode != "target"):
-            features_in = self._features(requests, ctx, draft_logits, draft_hidden)
         decode_steps = [r.stats.num_steps for r in requests]
-        full_lens = self._tensor([w] * n)
-        full_offsets = torch.arange(n, device=self.device) * w
-        if decide:
-            if self.config.measure_retention:
-                # Full-width verification first, only to measure what DVL keeps (writes the same K/V values).
-                logits, _ = self.target(draft_tokens.view(-1), full_meta, self.target_cache.layers)
-                full_accepted, _ = accept_greedy(logits.argmax(-1), draft_tokens, full_lens, full_offsets)
-            verify_lens, rows = self._decide(features_in, n)
-            ctx_t = full_meta.kv_lens - w
-            packed = flat_pack(verify_lens, draft_tokens, ctx_t, full_meta.block_tables, rows, self.config.page_size)
-            meta = packed_metadata(packed, ctx_t, full_meta.block_tables, full_meta.max_kv, w)
-            verify_offsets, token_ids, row_req = packed.verify_offsets, packed.token_ids, packed.row_req
-        else:
-            meta = full_meta
-            verify_lens, verify_offsets = full_lens, full_offsets
-            token_ids, row_req, rows = draft_tokens.view(-1), full_meta.row_req, n * w
-        logits, features = self.target(token_ids, meta, self.target_cache.layers, None, self.capture_layers)
-        accepted, successor = self._verify(logits, draft_tokens, verify_lens, verify_offsets, row_req, requests)
-        if mode == "dscale" and not decide and self.config.measure_retention:
-            full_accepted = accepted  # a full-width step retains everything
-        # NOTE: the one device-to-host copy of the step: the commit needs lengths, successors and drafts.
-        host = torch.cat([accepted, successor, verify_lens, verify_offsets, draft_tokens.reshape(-1)]
-                         + ([full_accepted] if full_accepted is not None else [])).tolist()
-        accepted_l, successor_l, lens_l, offsets_l = (host[i * n : (i + 1) * n] for i in range(4))
-        drafts_l = [host[4 * n + i * w : 4 * n + (i + 1) * w] for i in range(n)]
-        full_l = host[4 * n + n * w :] if full_accepted is not None else None
-        if features is not None:
-            inject = self._tensor([o + j for o, a in zip(offsets_l, accepted_l) for j in range(a + 1)])
-            self.drafter.inject_context(features[inject], meta.positions[inject], meta.slot_mapping[inject],
-                                        self.drafter_cache.layers)
-        finished = self._advance(requests, accepted_l, successor_l, drafts_l, lens_l)
-        self._record(requests, accepted_l, lens_l, rows, full_l)
-        if self.step_observers and features_in is not None:
-            trace = StepTrace([r.request_id for r in requests], decode_steps, ctx, n, features_in.float().cpu(),
-                              accepted_l, lens_l)
+        context = None
+        if mode == "dscale" or kind.features:
+            context = context_features(self.feature_spec, n, ctx, decode_steps,
+                                       [r.stats.accepted_lens for r in requests], "cpu").numpy()
+        result: StepResult = self.runner.run([r.last_token_id for r in requests], ctx, [r.pages for r in requests],
+                                             [r.sampling for r in requests], kind, context)
+        full = result.full_accepted
+        if self.config.measure_retention and self.config.mode == "dscale" and mode != "dscale":
+            full = result.accepted  # a full-width step retains everything
+        finished = self._advance(requests, result.accepted, result.successors, result.drafts, result.verify_lens)
+        self._record(requests, result.accepted, result.verify_lens, result.num_rows, full)
+        if self.step_observers and result.features is not None:
+            trace = StepTrace([r.request_id for r in requests], decode_steps, ctx, n, result.features,
+                              result.accepted, result.verify_lens)
             for observer in self.step_observers:
                 observer(trace)
         return finished

@@ -1,7 +1,15 @@
-"""The target's decoding policy: temperature, top-k and top-p turned into per-row distributions, and draws.
+"""The target's decoding policy and the step's random draws: graph-safe, counter-based, reproducible.
 
-Per-request seeds get their own `torch.Generator` (as in vLLM), so a seeded request samples the same
-tokens whatever else is in the batch; unseeded requests share the engine's generator.
+Policy: temperature, top-k and top-p turn logits into per-row distributions (`policy_probs`, the vLLM/OpenAI
+meaning of the three fields). Draws: every uniform the engine uses is a hash of (request seed, absolute token
+position, purpose) (`keyed_uniforms`), never a stateful generator, so a step is a pure tensor function (it can
+be captured as a CUDA graph and replayed) and a request's draws do not depend on what shares its batch, on
+graphs being on or off, or on how many slots a step verifies. A token is drawn by inverting the distribution's
+CDF at one such uniform (`sample_inverse_cdf`).
+
+NOTE: target-only sampling draws the token at position t as inverse-CDF(P_t, u(seed, t, TARGET)); the
+speculative steps draw every verification row's target token with the same key, so under the top-1 rule a
+seeded request produces exactly the tokens target-only sampling produces (DESIGN 3.5, `verify.py`).
 """
 
 from __future__ import annotations
@@ -10,52 +18,114 @@ from dataclasses import dataclass
 
 import torch
 
+# Purposes of a draw (the third key of `keyed_uniforms`): one independent stream each.
+TARGET = 1  # the target's token at a position (target-only sampling, verification rows, the first token)
+DRAFT = 2  # a draft sampled from the drafter's policy (sampled-drafts rule)
+COIN = 3  # the accept/reject coin of a sampled draft
+RESIDUAL = 4  # the successor drawn from the residual max(0, p - q) after a rejection
+
+SEED_BITS = 64
+_MASK32 = 0xFFFFFFFF
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A seed in [0, 2^64) -> (low 32 bits, high 32 bits), the form the step buffers hold."""
+    if not 0 <= seed < 1 << SEED_BITS:
+        raise ValueError(f"seed must lie in [0, 2^64), got {seed}")
+    return seed & _MASK32, seed >> 32
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) without int64 overflow (c split into 16-bit halves)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply, lowbias32 constants) on int64 tensors in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def keyed_uniforms(
+    seed_lo: torch.Tensor,  # [...] int64 in [0, 2^32)
+    seed_hi: torch.Tensor,  # [...] int64 in [0, 2^32)
+    positions: torch.Tensor,  # [...] int64 absolute token position the draw is for
+    purpose: int,
+) -> torch.Tensor:  # [...] float64 in [0, 1), a pure function of (seed, position, purpose)
+    """Uniform draws keyed by counter: 53 random bits from two chained 32-bit hashes of the key."""
+    pos = positions & _MASK32
+    h = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(pos ^ _mix32(torch.full_like(pos, purpose * 0x9E3779B1 & _MASK32)))))
+    h2 = _mix32(h ^ 0x68E31DA4)
+    return (((h >> 11) << 32) | h2).double() / float(1 << 53)
+
 
 @dataclass
-class SamplingBatch:
-    """Policy parameters of R rows (requests, or verification rows via `rows`)."""
+class SamplingRows:
+    """Per-row policy and draw keys (rows: requests, or verification rows gathered with `.rows`)."""
 
-    temperature: torch.Tensor  # [R] float32, > 0 for every row that samples (greedy rows are ignored)
+    greedy: torch.Tensor  # [R] bool: argmax rows (temperature 0)
+    temperature: torch.Tensor  # [R] float32 (1 where greedy: never used there)
     top_k: torch.Tensor  # [R] int64, <= 0 means off
     top_p: torch.Tensor  # [R] float32, 1 means off
-    needs_sort: bool  # some row uses top-k or top-p (decided on the host, no device read)
+    seed_lo: torch.Tensor  # [R] int64
+    seed_hi: torch.Tensor  # [R] int64
 
-    def rows(self, index: torch.Tensor) -> "SamplingBatch":
-        """The same parameters gathered for rows that belong to requests `index` [M]."""
-        return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index], self.needs_sort)
+    def rows(self, index: torch.Tensor) -> "SamplingRows":
+        """The same parameters for rows that belong to requests `index` [M]."""
+        return SamplingRows(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index],
+                            self.seed_lo[index], self.seed_hi[index])
+
+    def uniforms(self, positions: torch.Tensor, purpose: int) -> torch.Tensor:
+        """Draws [R, ...] for positions [R, ...] (rows broadcast along the trailing dims)."""
+        shape = (-1,) + (1,) * (positions.dim() - 1)
+        return keyed_uniforms(self.seed_lo.view(shape), self.seed_hi.view(shape), positions, purpose)
 
 
-def policy_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """fp32 logits [R, V] -> probabilities [R, V] of the temperature/top-k/top-p policy."""
-    logits = logits.float() / batch.temperature.clamp_min(1e-6)[:, None]
-    if not batch.needs_sort:
+def policy_probs(logits: torch.Tensor, rows: SamplingRows, filtered: bool) -> torch.Tensor:
+    """Logits [R, V] -> fp32 probabilities [R, V] of the temperature / top-k / top-p policy.
+
+    `filtered` (a host decision: some row uses top-k or top-p) sorts the rows; without it the policy is the
+    tempered softmax, which is what every row without filters gets either way."""
+    logits = logits.float() / rows.temperature.clamp_min(1e-6)[:, None]
+    if not filtered:
         return torch.softmax(logits, dim=-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
-    top_k = torch.where(batch.top_k > 0, batch.top_k, logits.shape[-1])
+    top_k = torch.where(rows.top_k > 0, rows.top_k, logits.shape[-1])
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop = mass_before >= batch.top_p[:, None]
+    drop = mass_before >= rows.top_p[:, None]
     drop[:, 0] = False  # the most likely token always stays
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.zeros_like(logits).scatter_(-1, order, torch.softmax(sorted_logits, dim=-1))
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator | None], default: torch.Generator) -> torch.Tensor:
-    """One draw per row of probs [R, V] (exponential race: argmax p / E, E ~ Exp(1))."""
-    noise = torch.empty_like(probs).exponential_(generator=default)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    return (probs / noise).argmax(dim=-1)
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [R, V] (any non-negative weights) at uniforms u [R]: the first token whose
+    cumulative weight exceeds u x total. Zero-weight tokens are never chosen."""
+    cdf = probs.float().cumsum(dim=-1)  # [R, V] non-decreasing
+    total = cdf[:, -1:].contiguous()
+    value = (u.view(-1, 1) * total.double()).float()
+    token = torch.searchsorted(cdf, value, right=True)
+    # NOTE: value may round up to the total; the last token of positive weight is the first reaching it.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(token, last).view(-1)
 
 
-def uniforms(rows: int, cols: int, generators: list[torch.Generator | None], default: torch.Generator,
-             device: torch.device) -> torch.Tensor:
-    """U[0, 1) draws [rows, cols], row i from generators[i] when it has one."""
-    out = torch.rand(rows, cols, generator=default, device=device)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            out[row] = torch.rand(cols, generator=gen, device=device)
-    return out
+def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, filtered: bool,
+                  sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's token for every row of logits [R, V] -> (tokens [R], policy probs [R, V] or None).
+
+    Greedy rows take the argmax; when `sampled` (a host decision: some row samples) the others take
+    inverse-CDF(policy, u(seed, position, TARGET)), `positions` [R] being the index of the token drawn."""
+    argmax = logits.argmax(dim=-1)
+    if not sampled:
+        return argmax, None
+    probs = policy_probs(logits, rows, filtered)
+    drawn = sample_inverse_cdf(probs, rows.uniforms(positions, TARGET))
+    return torch.where(rows.greedy, argmax, drawn), probs

@@ -12,8 +12,6 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from dscale_runtime.config import RequestStats, SamplingParams
 from dscale_runtime.kv_cache import PageAllocator
 
@@ -35,7 +33,8 @@ class Request:
     """Tokens whose target K/V and drafter context are in the cache (all but the pending anchor)."""
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
+    sampling: tuple = ()
+    """(seed_lo, seed_hi, top_k, rule, temperature, top_p): the request's columns of the step buffers."""
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property

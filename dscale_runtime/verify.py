@@ -3,11 +3,25 @@
 Request i owns rows [verify_offsets[i], verify_offsets[i] + verify_lens[i]) of the target output; row
 offset_i + s holds the target's prediction after slot s. Slot 0 is the anchor, slots 1..W-1 the drafts.
 DFlash is the case verify_lens == W for all; target-only decoding is W == 1; DScale packs variable k_i.
+
+Two exact rules:
+- top-1 drafts (the paper's rule): each row's target token is the target's own choice at that position
+  (argmax when greedy; when sampling, the inverse-CDF draw `sampling.target_tokens` keys by seed and
+  position); drafts are accepted while they equal it and the successor is the first differing row's token.
+  A top-1 draft x is then accepted with probability P(x), and on rejection the successor is P conditioned on
+  "not x": the paper's rule, realised as a coupling under which a seeded request yields exactly the tokens
+  of target-only sampling, whatever its prefix lengths.
+- sampled drafts (Leviathan et al. / Chen et al.; z-lab's reference): drafts drawn from the drafter's policy
+  q, accepted with probability min(1, p(x) / q(x)); the successor after the first rejection comes from
+  max(0, p - q) renormalised, and from the last row's p when every verified draft passed (`accept_sampled_drafts`).
+Prefix lengths never read the draws, so both rules keep the target's distribution at any budget.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dscale_runtime.sampling import sample_inverse_cdf
 
 
 def _draft_rows(draft_tokens: torch.Tensor, verify_lens: torch.Tensor, verify_offsets: torch.Tensor, num_rows: int):
@@ -19,35 +33,42 @@ def _draft_rows(draft_tokens: torch.Tensor, verify_lens: torch.Tensor, verify_of
 
 
 def accept_greedy(
-    target_tokens: torch.Tensor,  # [M] argmax of every verification row
+    target_tokens: torch.Tensor,  # [M] the target's token of every verification row (argmax or keyed draw)
     draft_tokens: torch.Tensor,  # [N, W] slot 0 = anchor, 1..W-1 = drafts
     verify_lens: torch.Tensor,  # [N] k_i >= 1
     verify_offsets: torch.Tensor,  # [N]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # accepted_lens [N] (0..k_i-1), successor [N]
+    """The top-1 rule: drafts accepted while they equal the rows' target tokens."""
     rows, verified = _draft_rows(draft_tokens, verify_lens, verify_offsets, target_tokens.shape[0])
     match = (draft_tokens[:, 1:] == target_tokens[rows]) & verified
     accepted = match.long().cumprod(dim=1).sum(dim=1)
-    return accepted, target_tokens[verify_offsets + accepted]
+    return accepted, target_tokens[(verify_offsets + accepted).clamp(max=max(target_tokens.shape[0] - 1, 0))]
 
 
-def accept_sampling(
-    probs: torch.Tensor,  # [M, V] target policy distribution of every verification row
-    draft_tokens: torch.Tensor,  # [N, W]
+def accept_sampled_drafts(
+    target_probs: torch.Tensor,  # [M, V] the target's policy p at every verification row
+    draft_probs: torch.Tensor,  # [N, W-1, V] the drafter's policy q at each draft slot
+    draft_tokens: torch.Tensor,  # [N, W] drafts drawn from q (slot 0 = anchor)
+    target_tokens: torch.Tensor,  # [M] a draw from p at every row (the successor when every draft passes)
     verify_lens: torch.Tensor,  # [N]
     verify_offsets: torch.Tensor,  # [N]
-    coins: torch.Tensor,  # [N, W-1] U[0,1), drawn independently of how verify_lens were chosen
-    draw,  # callable: probs [N, V] -> tokens [N]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft x at a slot is accepted with probability P(x); at the first rejection the successor comes from
-    P with x removed and renormalised; if every verified draft passes, from the unmodified P."""
-    rows, verified = _draft_rows(draft_tokens, verify_lens, verify_offsets, probs.shape[0])
-    p_draft = probs[rows, draft_tokens[:, 1:]]  # [N, W-1]
-    passed = (coins < p_draft) & verified
+    coins: torch.Tensor,  # [N, W-1] float64 U[0, 1), independent of the drafts and of verify_lens
+    residual_u: torch.Tensor,  # [N] float64 U[0, 1) for the residual draw
+) -> tuple[torch.Tensor, torch.Tensor]:  # accepted_lens [N], successor [N]
+    """Standard speculative sampling over the packed rows (the sampled-drafts rule)."""
+    n = draft_tokens.shape[0]
+    rows, verified = _draft_rows(draft_tokens, verify_lens, verify_offsets, target_probs.shape[0])
+    drafts = draft_tokens[:, 1:]  # [N, W-1]
+    p_x = target_probs[rows, drafts]  # [N, W-1]
+    q_x = draft_probs.gather(2, drafts[..., None])[..., 0]  # [N, W-1], > 0 where the draft was drawn from q
+    passed = (coins * q_x.double() < p_x.double()) & verified
     accepted = passed.long().cumprod(dim=1).sum(dim=1)
-    residual = probs[verify_offsets + accepted].clone()  # [N, V]
     rejected = accepted < verify_lens - 1
-    rejected_token = draft_tokens.gather(1, (accepted + 1).clamp(max=draft_tokens.shape[1] - 1)[:, None])
-    kept = residual.gather(1, rejected_token)
-    residual.scatter_(1, rejected_token, torch.where(rejected[:, None], torch.zeros_like(kept), kept))
-    residual = residual / residual.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    return accepted, draw(residual)
+    last = target_probs.shape[0] - 1
+    succ_rows = (verify_offsets + accepted).clamp(0, max(last, 0))
+    slot = accepted.clamp(max=drafts.shape[1] - 1)  # the rejected draft's column
+    residual = (target_probs[succ_rows] - draft_probs[torch.arange(n, device=slot.device), slot]).clamp_min(0)
+    # NOTE: p == q at that row makes a rejection impossible; the residual is then never used.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_probs[succ_rows])
+    from_residual = sample_inverse_cdf(residual, residual_u)
+    return accepted, torch.where(rejected, from_residual, target_tokens[succ_rows])

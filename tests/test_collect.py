@@ -35,6 +35,46 @@ def test_checked_in_configs_are_valid(name):
         assert {d.name for d in cfg.datasets} == {"gsm8k", "math500", "humaneval", "mbpp"}
 
 
+def _collect_cli(monkeypatch, argv: list[str]) -> CollectConfig:
+    """dscale-collect's main() with `argv`; returns the config it would collect with."""
+    import trace_collection.collect as module
+
+    seen = []
+    monkeypatch.setattr(module, "collect", lambda cfg: seen.append(cfg) or {})
+    module.main(argv)
+    return seen[0]
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3-8b", "qwen3-4b"])
+def test_cli_reads_each_config_and_takes_dashed_flags(monkeypatch, name):
+    path = str(REPO / "configs" / f"{name}.yaml")
+    section = CollectConfig(**yaml.safe_load(Path(path).read_text())["collect"])
+    assert _collect_cli(monkeypatch, ["--config", path]) == section
+    dashed = _collect_cli(monkeypatch, ["--config", path, "--max-prompts", "3", "--max-new-tokens", "7",
+                                        "--chunk-prompts", "5", "--concurrency", "[2, 4]", "--log-records", "false"])
+    underscored = _collect_cli(monkeypatch, ["--config", path, "--max_prompts", "3", "--max_new_tokens", "7",
+                                             "--chunk_prompts", "5", "--concurrency", "[2, 4]", "--log_records", "false"])
+    assert dashed == underscored
+    assert (dashed.max_prompts, dashed.max_new_tokens, dashed.chunk_prompts, dashed.concurrency, dashed.log_records) \
+        == (3, 7, 5, [2, 4], False)
+    assert (dashed.max_model_len, dashed.datasets) == (section.max_model_len, section.datasets)  # the YAML's
+
+
+def test_cli_errors_and_help(monkeypatch, capsys):
+    path = str(REPO / "configs" / "demo.yaml")
+    for argv in (["--max-promptz", "3"], ["--chunk-prompts", "0"], ["--max-new-tokens", "many"]):
+        with pytest.raises(SystemExit):
+            _collect_cli(monkeypatch, ["--config", path, *argv])
+    assert "chunk_prompts must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _collect_cli(monkeypatch, ["--config", str(REPO / "configs" / "missing.yaml")])
+    assert "no such config file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _collect_cli(monkeypatch, ["--help"])
+    text = capsys.readouterr().out
+    assert "--max-new-tokens" in text and "--chunk-prompts" in text and "--max_new_tokens" not in text
+
+
 # ----------------------------------------------------------------------------------------------- sources
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)

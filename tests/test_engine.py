@@ -87,31 +87,49 @@ def test_requests_arriving_while_others_run(pair, reference):
     assert_same([done[i] for i in range(len(prompts))], want)
 
 
-class OracleDraftEngine(Engine):
-    """Drafts the target's own greedy continuation, corrupted at a random slot (or not at all)."""
+class OracleDrafter:
+    """Drafts the target's own greedy continuation, corrupted at a random slot (or not at all): stands in for the
+    drafter inside the step runner (`propose`), the real drafter keeps its cache (`inject_context`)."""
 
-    def __init__(self, *args, continuations, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, base, continuations):
+        self.base, self.config = base, base.config
         self.continuations = continuations  # request id -> target greedy output, long enough
         self.rng = random.Random(0)
+        self.requests = []  # the live requests of the step being drafted, in batch order
 
-    def _draft(self, requests, block_meta):
-        w = self.block_size
+    def inject_context(self, *args):
+        self.base.inject_context(*args)
+
+    def propose(self, block, target, meta, caches, float_logits=True):
+        w = block.shape[1]
         rows = []
-        for r in requests:
+        for r in self.requests:
             done = len(r.output_token_ids)
             proposal = self.continuations[r.request_id][done : done + w - 1]
             proposal += [0] * (w - 1 - len(proposal))  # past the reference's end (max_model_len)
             error_at = self.rng.randrange(w)  # slot 1..w-1 gets a wrong token; 0 means none
             if error_at:
                 proposal[error_at - 1] = (proposal[error_at - 1] + 1) % 94
-            rows.append([r.last_token_id] + proposal)
-        block = self._tensor(rows)
-        vocab, hidden = self.target.config.vocab_size, self.target.config.hidden_size
+            rows.append(proposal)
+        rows += [[0] * (w - 1)] * (block.shape[0] - len(rows))  # bucket padding
+        block[:, 1:] = torch.tensor(rows, device=block.device)
+        vocab, hidden = target.config.vocab_size, self.config.layers.hidden_size
         # Per-slot confidence drawn at random, so features (and a predictor reading them) vary between requests.
-        scale = torch.tensor([[self.rng.uniform(0.5, 8.0) for _ in range(w - 1)] for _ in requests])
+        scale = torch.tensor([[self.rng.uniform(0.5, 8.0) for _ in range(w - 1)] for _ in range(block.shape[0])])
         logits = torch.nn.functional.one_hot(block[:, 1:], vocab).float() * scale[..., None]
-        return block, logits, torch.zeros(len(requests), w - 1, hidden, device=self.device)
+        return logits, torch.zeros(block.shape[0], w - 1, hidden, device=block.device)
+
+
+class OracleDraftEngine(Engine):
+    """An engine whose runner drafts with `OracleDrafter`."""
+
+    def __init__(self, *args, continuations, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.oracle = self.runner.drafter = OracleDrafter(self.drafter, continuations)
+
+    def _decode(self, requests):
+        self.oracle.requests = requests
+        return super()._decode(requests)
 
 
 def test_oracle_drafts_cover_every_accepted_length(pair):

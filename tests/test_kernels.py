@@ -19,8 +19,8 @@ from markers import needs_cuda, needs_triton
 from dscale_runtime.attention import build_metadata, paged_attention_ref
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.kernels import (
+    KernelChoice,
     attention_backend,
-    forced_tile_rows,
     heads_per_program,
     paged_attention,
     tile_rows_for,
@@ -158,30 +158,24 @@ def test_tile_routing_rule():
 
 
 def test_router_on_cpu_is_exactly_the_portable_path(monkeypatch):
-    monkeypatch.delenv("DSCALE_ATTENTION", raising=False)
     q, k_cache, v_cache, meta = build(CASE["ragged"], torch.float32, "cpu")
-    assert attention_backend(q) == "ref"
+    assert attention_backend(q) == "ref" and attention_backend(q, "ref") == "ref"
+    # The router takes its path from the caller only: settings in the environment are not read per call.
+    monkeypatch.setenv("DSCALE_ATTENTION", "flash")
+    monkeypatch.setenv("DSCALE_ATTENTION_TILE", "48")
     want = paged_attention_ref(q, k_cache, v_cache, meta, 16, 0.125)
     assert torch.equal(paged_attention(q, k_cache, v_cache, meta, 16, 0.125), want)
     out = torch.full_like(q, float("nan"))
-    assert paged_attention(q, k_cache, v_cache, meta, 16, 0.125, out=out) is out and torch.equal(out, want)
-    monkeypatch.setenv("DSCALE_ATTENTION", "ref")
-    assert attention_backend(q, "auto") == "ref" and attention_backend(q) == "ref"
+    got = paged_attention(q, k_cache, v_cache, meta, 16, 0.125, backend="ref", out=out)
+    assert got is out and torch.equal(out, want)
 
 
-def test_router_names_bad_settings(monkeypatch):
+def test_router_names_bad_settings():
     q = torch.zeros(1, 1, 16)
-    monkeypatch.setenv("DSCALE_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="DSCALE_ATTENTION='flash'"):
-        attention_backend(q)
     with pytest.raises(ValueError, match="backend='cuda'"):
         attention_backend(q, "cuda")
-    monkeypatch.setenv("DSCALE_ATTENTION_TILE", "48")
-    with pytest.raises(ValueError, match="DSCALE_ATTENTION_TILE='48'"):
-        forced_tile_rows()
-    assert forced_tile_rows(128) == 128
-    monkeypatch.setenv("DSCALE_ATTENTION_TILE", "16")
-    assert forced_tile_rows() == 16
+    with pytest.raises(ValueError, match="backend=None"):
+        attention_backend(q, None)
 
 
 def test_query_bounds_derived_on_device():
@@ -220,7 +214,8 @@ def test_interpreter_half_precision(interpreter, dtype):
 
 def greedy_tokens_by_backend(pair, predictor, prompts, max_tokens: int, monkeypatch, **config):
     """{mode: {backend: token lists}} for dflash and dscale, greedy, with DSCALE_ATTENTION, DSCALE_FUSED and
-    DSCALE_FEATURES all set to the backend per run; asserts that the Triton paths ran exactly when asked for."""
+    DSCALE_FEATURES all set to the backend before each engine is built (the default source of the kernel
+    choice the loader resolves once); asserts that the Triton paths ran exactly when asked for."""
     from dscale_runtime.config import EngineConfig, SamplingParams
     from dscale_runtime.engine import Engine
     from dscale_runtime.kernels import triton_attention, triton_features, triton_fused
@@ -241,6 +236,7 @@ def greedy_tokens_by_backend(pair, predictor, prompts, max_tokens: int, monkeypa
             cfg = EngineConfig(mode=mode, **config)
             engine = Engine.from_pretrained(pair[0], pair[1], predictor=predictor if mode == "dscale" else None,
                                             config=cfg)
+            assert engine.runner.features_backend == backend  # chosen once, with the drafter's kernels
             tokens.setdefault(mode, {})[backend] = [o.token_ids for o in engine.generate(prompts, params)]
             ran = (len(calls) > before[0], len(fused_calls) > before[1], len(feature_calls) > before[2])
             assert ran == (backend == "triton", backend == "triton", backend == "triton" and mode == "dscale"), ran

@@ -1,4 +1,5 @@
-"""Triton confidence features against the reference `dvl.features.confidence_features_ref`, and the router.
+"""Triton confidence features against the reference beside them (`kernels.features.confidence_features_ref`),
+the router, and `dvl.features.acceptance_features`' choice of path.
 
 The kernel cases run through Triton's interpreter on CPU machines with triton installed (conftest sets
 TRITON_INTERPRET=1 when there is no CUDA device), and compiled on CUDA (marker `gpu`, at Qwen3's vocabulary and
@@ -9,13 +10,17 @@ rtol 1e-4 / atol 1e-5 with it (rows of finite logits up to 100) and with a float
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 from markers import needs_cuda, needs_triton
-from dscale_runtime.dvl.features import confidence_features_ref
-from dscale_runtime.kernels.features import confidence_features, features_backend
+from dscale_runtime.dvl import features as dvl_features
+from dscale_runtime.dvl.features import FeatureSpec, acceptance_features, context_features, hidden_projection
+from dscale_runtime.kernels import KernelChoice
+from dscale_runtime.kernels.features import confidence_features, confidence_features_ref, features_backend
 
 RANKS = 16
 QWEN3_VOCAB = 151936
@@ -166,38 +171,60 @@ for dtype, rows in [(torch.bfloat16, 15), (torch.bfloat16, 960), (torch.float32,
 
 # ------------------------------------------------------------------------------------------- router
 def test_router_on_cpu_is_exactly_the_reference(monkeypatch):
-    monkeypatch.delenv("DSCALE_FEATURES", raising=False)
+    monkeypatch.setenv("DSCALE_FEATURES", "triton")  # read by KernelChoice.resolve only, never by the router
     logits = random_logits(2 * 3, 500, seed=1).view(2, 3, 500)
     assert features_backend(logits, RANKS) == "ref"
     assert torch.equal(confidence_features(logits, RANKS), confidence_features_ref(logits, RANKS))
+    assert dvl_features.confidence_features_ref is confidence_features_ref  # the re-export is the definition
 
 
 @needs_triton
-def test_router_env_override(monkeypatch):
+def test_router_runs_the_backend_it_is_given(monkeypatch):
     logits = random_logits(2 * 3, 700, seed=2).view(2, 3, 700)
     want = confidence_features_ref(logits, RANKS)
-    monkeypatch.setenv("DSCALE_FEATURES", "triton")
-    assert features_backend(logits, RANKS) == "triton"
-    got = confidence_features(logits, RANKS)
+    monkeypatch.setenv("DSCALE_FEATURES", "ref")  # not read per call: the argument alone decides
+    assert features_backend(logits, RANKS, "triton") == "triton"
+    got = confidence_features(logits, RANKS, backend="triton")
     assert got.shape == want.shape == (2, 3 * (RANKS + 2)) and got.isfinite().all()
     check(got.view(6, RANKS + 2), logits.view(6, 700))
-    assert torch.equal(confidence_features(logits, RANKS, backend="ref"), want)  # the argument wins
-    monkeypatch.setenv("DSCALE_FEATURES", "ref")
-    assert torch.equal(confidence_features(logits, RANKS), want)
+    assert torch.equal(confidence_features(logits, RANKS, backend="ref"), want)
     # Toy vocabularies smaller than the rank count always take the reference (it pads the missing ranks).
     toy = random_logits(2, 10, seed=3).view(1, 2, 10)
     assert features_backend(toy, RANKS, backend="triton") == "ref"
     assert torch.equal(confidence_features(toy, RANKS, backend="triton"), confidence_features_ref(toy, RANKS))
 
 
+@needs_triton
+def test_acceptance_features_take_the_runners_backend(monkeypatch):
+    """`acceptance_features` runs the confidence columns through the backend it is given (the runner's
+    KernelChoice.features) and by default through the auto rule: the reference itself on CPU."""
+    from dscale_runtime.kernels import triton_features
+
+    calls = []
+    original = triton_features.confidence_features_triton
+    monkeypatch.setattr(triton_features, "confidence_features_triton",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    spec = FeatureSpec()
+    logits = random_logits(2 * spec.num_positions, 300, seed=4).view(2, spec.num_positions, 300)
+    hidden = torch.randn(2, spec.num_positions, 24, generator=torch.Generator().manual_seed(5))
+    projection = hidden_projection(spec, 24)
+    context = context_features(spec, 2, [30, 7], [3, 0], [[4, 15, 0], []], "cpu")
+    portable = acceptance_features(spec, logits, hidden, projection, context)
+    assert calls == [] and portable.shape == (2, spec.width)
+    assert torch.equal(portable[:, : spec.num_confidence], confidence_features_ref(logits, spec.num_ranks))
+    fast = acceptance_features(spec, logits, hidden, projection, context, backend="triton")
+    assert calls == [1]
+    torch.testing.assert_close(fast, portable, rtol=1e-4, atol=1e-5)
+    assert torch.equal(fast[:, spec.num_confidence :], portable[:, spec.num_confidence :])
+
+
 def test_router_rejects_bad_values(monkeypatch):
     logits = torch.zeros(1, 2, 32)
-    monkeypatch.setenv("DSCALE_FEATURES", "fast")
-    with pytest.raises(ValueError, match=r"DSCALE_FEATURES='fast'.*auto, ref, triton"):
-        confidence_features(logits, RANKS)
-    monkeypatch.delenv("DSCALE_FEATURES")
     with pytest.raises(ValueError, match=r"backend='cuda'.*auto, ref, triton"):
         confidence_features(logits, RANKS, backend="cuda")
+    monkeypatch.setenv("DSCALE_FEATURES", "fast")
+    with pytest.raises(ValueError, match=r"DSCALE_FEATURES='fast'.*auto, ref, triton"):
+        KernelChoice.resolve("cpu", torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
@@ -237,7 +264,11 @@ def test_cuda_graph_replay_follows_the_logits():
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_bench_runs():
-    from dscale_runtime.kernels.triton_features import bench
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_features.py"
+    spec = importlib.util.spec_from_file_location("bench_features", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    bench = module.bench
 
     for rows in (15, 8 * 15, 64 * 15):
         for dtype in (torch.bfloat16, torch.float32):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from markers import needs_cuda, needs_triton
-from dscale_runtime.kernels import fused, triton_available
+from dscale_runtime.kernels import KernelChoice, fused, triton_available
 from dscale_runtime.kernels.fused import (
     add_rms_norm,
     add_rms_norm_ref,
@@ -278,7 +278,7 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_router_on_cpu_is_exactly_the_reference(monkeypatch, dtype):
-    monkeypatch.delenv("DSCALE_FUSED", raising=False)
+    monkeypatch.setenv("DSCALE_FUSED", "triton")  # read by KernelChoice.resolve only, never by a router
     assert fused_backend(torch.zeros(1)) == "ref"
     for name, (op, ref) in _all_ops(dtype).items():
         want = ref()
@@ -306,35 +306,36 @@ def test_references_are_the_layers_op_sequence():
                    (total, weight * F.rms_norm(total.float(), (64,), eps=EPS).to(x.dtype))))
 
 
-def test_router_env_override_runs_triton(interpreter, monkeypatch):
+def test_router_runs_the_backend_it_is_given(interpreter, monkeypatch):
     from dscale_runtime.kernels import triton_fused
 
     calls = []
     for name in ("rms_norm_triton", "add_rms_norm_triton", "qk_norm_rope_triton", "silu_mul_triton"):
         original = getattr(triton_fused, name)
         monkeypatch.setattr(triton_fused, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    monkeypatch.setenv("DSCALE_FUSED", "triton")
-    assert fused_backend(torch.zeros(1)) == "triton"
+    monkeypatch.setenv("DSCALE_FUSED", "ref")  # not read per call: the argument alone decides
+    assert fused_backend(torch.zeros(1), "triton") == "triton" and fused_backend(torch.zeros(1)) == "ref"
     for name, (op, ref) in _all_ops(torch.bfloat16).items():
         before = len(calls)
-        op()
+        got, want = op(backend="triton"), ref()
         assert len(calls) == before + 1, name
-        op(backend="ref")  # the argument wins over the environment
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)  # general inputs: within a few ulps
+        op(backend="ref")
+        op()  # 'auto' on CPU tensors: the reference
         assert len(calls) == before + 1, name
-    monkeypatch.setenv("DSCALE_FUSED", "ref")
-    assert fused_backend(torch.zeros(1)) == "ref" and fused_backend(torch.zeros(1), "triton") == "triton"
 
 
 def test_router_names_bad_settings(monkeypatch):
-    monkeypatch.setenv("DSCALE_FUSED", "fast")
-    with pytest.raises(ValueError, match=r"DSCALE_FUSED='fast': expected one of auto, ref, triton"):
-        rms_norm(torch.zeros(2, 4), torch.ones(4), EPS)
-    monkeypatch.delenv("DSCALE_FUSED")
+    with pytest.raises(ValueError, match=r"backend='fast': expected one of auto, ref, triton"):
+        rms_norm(torch.zeros(2, 4), torch.ones(4), EPS, backend="fast")
     with pytest.raises(ValueError, match=r"backend='cuda'"):
         silu_mul(torch.zeros(2, 4), backend="cuda")
-    import dscale_runtime.kernels as kernels
+    monkeypatch.setenv("DSCALE_FUSED", "fast")
+    with pytest.raises(ValueError, match=r"DSCALE_FUSED='fast': expected one of auto, ref, triton"):
+        KernelChoice.resolve("cpu", torch.float32)
+    import dscale_runtime.kernels.choice as choice
 
-    monkeypatch.setattr(kernels, "triton_available", lambda: False)  # the shared check of every router
+    monkeypatch.setattr(choice, "triton_available", lambda: False)  # the shared check of every router
     with pytest.raises(RuntimeError, match="DSCALE_FUSED=ref"):
         fused_backend(torch.zeros(1), "triton")
 
@@ -468,20 +469,20 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(outs["act"], silu_mul_ref(gate_up))
 
 
-def test_router_keeps_training_and_autocast_on_the_reference(monkeypatch):
+@needs_triton
+def test_router_keeps_training_and_autocast_on_the_reference():
     """The kernels have no backward and take one dtype: a call autograd records, or one with operands of
-    another dtype (autocast: bf16 activations, fp32 weights), runs the reference even when triton is forced."""
-    monkeypatch.setenv("DSCALE_FUSED", "triton")
+    another dtype (autocast: bf16 activations, fp32 weights), runs the reference even when triton is chosen."""
     x = torch.randn(4, 8)
     weight = torch.randn(8, requires_grad=True)
-    assert fused.fused_backend(x, None, weight) == "ref"
+    assert fused.fused_backend(x, "triton", weight) == "ref"
     with torch.no_grad():
-        assert fused.fused_backend(x, None, weight) == "triton"
-        assert fused.fused_backend(x.bfloat16(), None, weight) == "ref"
-    out = fused.rms_norm(x, weight, 1e-6)
+        assert fused.fused_backend(x, "triton", weight) == "triton"
+        assert fused.fused_backend(x.bfloat16(), "triton", weight) == "ref"
+    out = fused.rms_norm(x, weight, 1e-6, backend="triton")
     out.sum().backward()
     ref_weight = weight.detach().clone().requires_grad_(True)
     fused.rms_norm_ref(x, ref_weight, 1e-6).sum().backward()
     assert torch.equal(weight.grad, ref_weight.grad)
-    mixed = fused.add_rms_norm(x.bfloat16(), x.bfloat16(), torch.ones(8), 1e-6)[1]
+    mixed = fused.add_rms_norm(x.bfloat16(), x.bfloat16(), torch.ones(8), 1e-6, backend="triton")[1]
     assert mixed.dtype == torch.float32  # the reference's promotion (weight fp32), not a Triton assert

@@ -1,5 +1,6 @@
 """Checkpoint loader (DESIGN 2): every refusal names the file and the key to fix; the accepted layout variants
-(nested or top-level `dflash_config`, `model.`-prefixed drafter keys, tied targets without `lm_head`) load."""
+(nested or top-level `dflash_config`, `model.`-prefixed drafter keys, tied targets without `lm_head`) load;
+the loaded models hold the kernel choice passed in or resolved once for their device and dtype."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from checkpoints import drafter_config_dict, write_drafter, write_target
+from dscale_runtime.kernels import KernelChoice
 from dscale_runtime.models.config import CheckpointError, load_drafter_config, load_target_config
 from dscale_runtime.models.loader import load_drafter, load_target
 
@@ -320,3 +322,35 @@ def test_untied_target_loads_every_weight_as_saved(target):
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     for k, v in raw.items():
         assert torch.equal(state[k], v), k
+
+
+# --------------------------------------------------------------------------------------------------
+# kernel choice
+
+
+def _layer_choices(model) -> set:
+    """Every KernelChoice held inside `model` (the model's own and each layer's)."""
+    return {m.kernels for m in model.modules() if isinstance(getattr(m, "kernels", None), KernelChoice)}
+
+
+def test_loaded_models_are_built_with_the_choice_passed(target, tmp_path, target_cfg):
+    forced = KernelChoice(attention_tile=64)
+    model = load_target(target, "float32", kernels=forced)
+    assert model.kernels is forced and _layer_choices(model) == {forced}
+    drafter = load_drafter(write_drafter(tmp_path / "d"), target_cfg, "float32", kernels=forced)
+    assert drafter.kernels is forced and _layer_choices(drafter) == {forced}
+
+
+def test_loader_resolves_the_choice_once_for_device_and_dtype(target, tmp_path, target_cfg, monkeypatch):
+    """Without `kernels=`, the loader resolves one for its device and dtype: the references on CPU, or what
+    the DSCALE_* variables say (read at load time, never afterwards); a bad variable fails the load."""
+    for variable in ("DSCALE_ATTENTION", "DSCALE_ATTENTION_TILE", "DSCALE_FUSED", "DSCALE_FEATURES"):
+        monkeypatch.delenv(variable, raising=False)
+    assert load_target(target, "float32").kernels == KernelChoice.resolve("cpu", torch.float32) == KernelChoice()
+    monkeypatch.setenv("DSCALE_ATTENTION_TILE", "32")
+    model = load_target(target, "bfloat16")
+    drafter = load_drafter(write_drafter(tmp_path / "d"), target_cfg, "float32")
+    assert _layer_choices(model) == _layer_choices(drafter) == {KernelChoice(attention_tile=32)}
+    monkeypatch.setenv("DSCALE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="DSCALE_ATTENTION='flash'"):
+        load_target(target, "float32")

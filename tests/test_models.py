@@ -1,16 +1,22 @@
 """Target and drafter numerics (DESIGN 2) against oracles: transformers' Qwen3 for the target, a
-test-local reference written from the design text for the DFlash drafter. fp32 CPU, tiny random models."""
+test-local reference written from the design text for the DFlash drafter. fp32 CPU, tiny random models.
+The kernel paths the models are built with (`KernelChoice`) hold from then on, whatever the environment says,
+and `use_kernels` sends every layer through another path (the interpreted Triton kernels here)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from checkpoints import write_drafter, write_target
+from markers import needs_cuda
 from dscale_runtime.attention import build_metadata
+from dscale_runtime.kernels import KernelChoice, triton_available
 from dscale_runtime.kv_cache import SCRATCH_PAGE, PageAllocator, PagedKVCache
 from dscale_runtime.models.config import Qwen3Config
 from dscale_runtime.models.loader import load_drafter, load_target
@@ -374,3 +380,161 @@ def test_incremental_context_injection_matches_one_shot(drafter_setup):
         for i in range(n):
             ref = _reference_drafter(weights, dcfg, feats[i][:ctx[i]], block[i * W:(i + 1) * W])
             assert _maxdiff(out[i * W:(i + 1) * W], ref) <= TOL
+
+
+# --------------------------------------------------------------------------------------------------
+# kernel choice
+
+
+class _WatchedEnviron(dict):
+    """A copy of the environment that records every key read through it."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.read: list[str] = []
+
+    def get(self, key, default=None):
+        self.read.append(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.append(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self.read.append(key)
+        return super().__contains__(key)
+
+
+@torch.no_grad()
+def test_built_models_never_consult_the_environment(target_pair, drafter_setup, monkeypatch):
+    """After building, the DSCALE_* variables are not read again: set to invalid values (which any read
+    would reject), a target and a drafter forward still run, and give what they gave before."""
+    _, model, _ = target_pair
+    drafter = drafter_setup[0]
+    tokens = torch.arange(1, 10) % model.config.vocab_size
+    meta = build_metadata([9], [0], [[1, 2, 3]], PAGE, "cpu", causal=True)
+    want, _ = model(tokens, meta, _cache_for(model, 4).layers)
+    W, d = drafter.config.block_size, TARGET_CFG.hidden_size
+    feats = torch.randn(5, len(drafter.config.target_layer_ids) * d, generator=torch.Generator().manual_seed(6))
+    block = torch.randn(W, d, generator=torch.Generator().manual_seed(7))
+
+    def draft():
+        cache = _draft_cache(drafter, 5)
+        _inject(drafter, cache, [[4, 2, 1, 3]], feats, [0], [5])
+        return _draft(drafter, cache, [[4, 2, 1, 3]], [5], block)
+
+    draft_want = draft()
+    watched = _WatchedEnviron(os.environ)
+    watched.update(DSCALE_ATTENTION="flash", DSCALE_ATTENTION_TILE="48", DSCALE_FUSED="fast", DSCALE_FEATURES="x")
+    monkeypatch.setattr(os, "environ", watched)
+    got, _ = model(tokens, meta, _cache_for(model, 4).layers)
+    assert torch.equal(got, want) and torch.equal(draft(), draft_want)
+    assert not [key for key in watched.read if key.startswith("DSCALE_")], watched.read
+    with pytest.raises(ValueError, match="DSCALE_ATTENTION='flash'"):  # they are read where a choice is made
+        KernelChoice.resolve("cpu", torch.float32)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """{kernel name: [call kwargs]} of every Triton launch through the routers (interpreter on CPU)."""
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from dscale_runtime.kernels import triton_attention, triton_fused
+
+    calls: dict[str, list[dict]] = {}
+    for module, name in ((triton_attention, "paged_attention_triton"), (triton_fused, "rms_norm_triton"),
+                         (triton_fused, "add_rms_norm_triton"), (triton_fused, "qk_norm_rope_triton"),
+                         (triton_fused, "silu_mul_triton")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _f=original, _n=name, **k: calls.setdefault(_n, []).append(k) or _f(*a, **k))
+    return calls
+
+
+@pytest.fixture
+def interpreter():
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from dscale_runtime.kernels import triton_fused
+
+    if not triton_fused.interpreted():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 (CUDA machine: the gpu tests run instead)")
+
+
+@torch.no_grad()
+def test_use_kernels_sends_every_layer_through_the_choice(target_pair, interpreter, kernel_calls):
+    """use_kernels on a built (fused-projection) target: every layer's attention and elementwise ops run the
+    interpreted Triton kernels and match transformers; a forced 128-row tile reaches every attention launch;
+    back on the references, no kernel runs."""
+    folder, _, hf = target_pair
+    model = load_target(folder, "float32", kernels=KernelChoice()).fuse_projections()
+    num_layers = model.config.num_hidden_layers
+    tokens = torch.randint(0, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(8))
+    meta = build_metadata([11], [0], [[1, 2, 3]], PAGE, "cpu", causal=True)
+    ref_logits, _ = _hf_run(hf, tokens)
+
+    triton = KernelChoice(attention="triton", fused="triton")
+    assert model.use_kernels(triton) is model
+    logits, _ = model(tokens, meta, _cache_for(model, 4).layers)
+    assert _maxdiff(logits, ref_logits) <= TOL
+    assert len(kernel_calls["paged_attention_triton"]) == num_layers
+    assert [k["tile_rows"] for k in kernel_calls["paged_attention_triton"]] == [None] * num_layers  # by max_q
+    assert len(kernel_calls["silu_mul_triton"]) == num_layers
+    assert len(kernel_calls["qk_norm_rope_triton"]) == 2 * num_layers  # q, and k into the cache
+    assert len(kernel_calls["add_rms_norm_triton"]) == 2 * num_layers - 1  # every norm after a residual add
+    assert len(kernel_calls["rms_norm_triton"]) == 2  # the first layer's input norm and the final norm
+
+    kernel_calls.clear()
+    model.use_kernels(dataclasses.replace(triton, attention_tile=128))  # the "+tiles" ablation
+    logits, _ = model(tokens, meta, _cache_for(model, 4).layers)
+    assert _maxdiff(logits, ref_logits) <= TOL
+    assert [k["tile_rows"] for k in kernel_calls["paged_attention_triton"]] == [128] * num_layers
+
+    kernel_calls.clear()
+    model.use_kernels(KernelChoice())
+    assert _maxdiff(model(tokens, meta, _cache_for(model, 4).layers)[0], ref_logits) <= TOL
+    assert kernel_calls == {}
+    with pytest.raises(TypeError, match="KernelChoice"):
+        model.use_kernels("triton")
+
+
+@torch.no_grad()
+def test_drafter_built_with_triton_matches_design_reference(drafter_setup, interpreter, kernel_calls):
+    drafter, weights, dcfg = drafter_setup
+    drafter = copy.deepcopy(drafter).use_kernels(KernelChoice(attention="triton", fused="triton"))
+    d, W = TARGET_CFG.hidden_size, drafter.config.block_size
+    feats = torch.randn(6, len(drafter.config.target_layer_ids) * d, generator=torch.Generator().manual_seed(9))
+    block = torch.randn(W, d, generator=torch.Generator().manual_seed(10))
+    cache = _draft_cache(drafter, 5)
+    _inject(drafter, cache, [[3, 1, 4, 2]], feats, [0], [6])
+    out = _draft(drafter, cache, [[3, 1, 4, 2]], [6], block)
+    assert _maxdiff(out, _reference_drafter(weights, dcfg, feats, block)) <= TOL
+    assert len(kernel_calls["paged_attention_triton"]) == drafter.config.layers.num_hidden_layers
+    assert kernel_calls["rms_norm_triton"] and kernel_calls["add_rms_norm_triton"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@torch.no_grad()
+def test_cuda_target_resolves_the_triton_paths_and_matches_the_references(target_pair, kernel_calls):
+    """On CUDA the loader's resolved choice is Triton everywhere, the compiled kernels run, and the logits
+    equal those of the same model switched to the references (within fp32 reduction-order noise)."""
+    folder, _, hf = target_pair
+    model = load_target(folder, "float32", "cuda").fuse_projections()
+    assert model.kernels == KernelChoice(attention="triton", fused="triton", features="triton")
+    tokens = torch.randint(0, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(8))
+    meta = build_metadata([11], [0], [[1, 2, 3]], PAGE, "cuda", causal=True)
+
+    def run():
+        cfg = model.config
+        cache = PagedKVCache(cfg.num_hidden_layers, 4, PAGE, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+                             "cuda")
+        return model(tokens.cuda(), meta, cache.layers)[0]
+
+    fast = run()
+    assert len(kernel_calls["paged_attention_triton"]) == model.config.num_hidden_layers
+    model.use_kernels(KernelChoice())
+    reference = run()
+    assert _maxdiff(fast, reference) <= TOL
+    assert _maxdiff(fast.cpu(), _hf_run(hf, tokens)[0]) <= TOL

@@ -135,3 +135,40 @@ def test_artifact_runs_in_the_engine_losslessly(setup):
                                     config=EngineConfig(mode="dscale", max_running_requests=3))
     got = engine.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def _train_cli(monkeypatch, argv: list[str]) -> TrainConfig:
+    """dscale-train's main() with `argv`; returns the config it would train with."""
+    import dscale_predictor.train as module
+
+    seen = []
+    monkeypatch.setattr(module, "train", seen.append)
+    module.main(argv)
+    return seen[0]
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3-8b", "qwen3-4b"])
+def test_cli_reads_each_config_and_takes_dashed_flags(monkeypatch, name):
+    from pathlib import Path
+
+    configs = str(Path(__file__).resolve().parents[1] / "configs")
+    section = TrainConfig(**yaml.safe_load((Path(configs) / f"{name}.yaml").read_text())["train"])
+    assert _train_cli(monkeypatch, ["--target", name, "--configs-dir", configs]) == section
+    dashed = _train_cli(monkeypatch, ["--target", name, "--configs-dir", configs, "--max-epochs", "2",
+                                      "--hidden-sizes", "[8, 4]", "--run-dir", "runs/x", "--val-fraction", "0.2"])
+    underscored = _train_cli(monkeypatch, ["--target", name, "--configs_dir", configs, "--max_epochs", "2",
+                                           "--hidden_sizes", "[8, 4]", "--run_dir", "runs/x", "--val_fraction", "0.2"])
+    assert dashed == underscored == replace(section, max_epochs=2, hidden_sizes=[8, 4], run_dir="runs/x",
+                                            val_fraction=0.2)
+
+
+def test_cli_errors_and_help(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _train_cli(monkeypatch, ["--target", "no-such-target"])
+    assert "no such config file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _train_cli(monkeypatch, ["--max-epochz", "2"])
+    with pytest.raises(SystemExit):
+        _train_cli(monkeypatch, ["--help"])
+    text = capsys.readouterr().out
+    assert "--max-epochs" in text and "--configs-dir" in text and "--max_epochs" not in text

@@ -1,8 +1,12 @@
-"""Verify-step unit tables (DESIGN 3.5): accept none / some / all, the successor's row, packed layouts."""
+"""Verify-step unit tables (DESIGN 3.5): accept none / some / all, the successor's row, packed layouts; both
+sampling rules exact in distribution against the target's own probabilities (chi-square)."""
 
+import pytest
 import torch
+from scipy.stats import chisquare
 
-from dscale_runtime.verify import accept_greedy, accept_sampling
+from dscale_runtime.sampling import sample_inverse_cdf
+from dscale_runtime.verify import accept_greedy, accept_sampled_drafts
 
 W = 5
 
@@ -45,35 +49,65 @@ def test_mismatch_after_first_rejection_does_not_count():
     assert successor.tolist() == [9]
 
 
-def _one_hot(tokens, vocab=6):
-    return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
+def test_sampled_drafts_deterministic_cases():
+    # q == p one-hot on the draft: always accepted; the all-pass successor is the last row's target token.
+    vocab = 6
+    p = torch.nn.functional.one_hot(torch.tensor([1, 2, 3]), vocab).float()  # rows judge d1, d2, then successor
+    q = p[:2][None]  # [1, 2, V]
+    drafts = torch.tensor([[0, 1, 2]])
+    acc, succ = accept_sampled_drafts(p, q, drafts, torch.tensor([1, 2, 3]), torch.tensor([3]), torch.tensor([0]),
+                                      torch.rand(1, 2, dtype=torch.float64), torch.rand(1, dtype=torch.float64))
+    assert acc.tolist() == [2] and succ.tolist() == [3]
+    # p puts no mass on d1: rejected at once; the residual max(0, p - q) is p's row, token 1... here token 4.
+    p0 = torch.nn.functional.one_hot(torch.tensor([4, 2, 3]), vocab).float()
+    acc, succ = accept_sampled_drafts(p0, q, drafts, torch.tensor([4, 2, 3]), torch.tensor([3]), torch.tensor([0]),
+                                      torch.zeros(1, 2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+    assert acc.tolist() == [0] and succ.tolist() == [4]
+    # k = 1 verifies no draft: the successor is row 0's target token, whatever the coins.
+    acc, succ = accept_sampled_drafts(p, q, drafts, torch.tensor([1, 2, 3]), torch.tensor([1]), torch.tensor([0]),
+                                      torch.zeros(1, 2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+    assert acc.tolist() == [0] and succ.tolist() == [1]
 
 
-def test_sampling_with_deterministic_policy_equals_greedy():
-    drafts = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
-    rows = [1, 2, 5, 4, 5] + [1, 2, 3, 4, 0]
-    lens = torch.tensor([W, W])
-    offsets = torch.tensor([0, W])
-    coins = torch.rand(2, W - 1)
-    acc, succ = accept_sampling(_one_hot(rows), drafts, lens, offsets, coins, lambda p: p.argmax(-1))
-    g_acc, g_succ = accept_greedy(torch.tensor(rows), drafts, lens, offsets)
-    assert acc.tolist() == g_acc.tolist() == [2, 4]
-    assert succ.tolist() == g_succ.tolist() == [5, 0]
+def _fit(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness-of-fit p-value of counts [V] against probs [V] (cells of mass 0 must be empty)."""
+    assert counts[probs == 0].sum() == 0, "a token of probability 0 was produced"
+    keep = probs > 0
+    observed, probs = counts[keep].double().numpy(), probs[keep].double().numpy()
+    return chisquare(observed, probs / probs.sum() * observed.sum()).pvalue
 
 
-def test_sampling_rejection_removes_the_rejected_draft():
-    # P at the row judging d1 is 0.5 on the draft token 1 and 0.5 on token 3; a coin above 0.5 rejects d1 and
-    # the successor must come from P without token 1, i.e. token 3 with certainty.
-    probs = torch.zeros(2, 6)
-    probs[0, 1] = probs[0, 3] = 0.5
-    probs[1, 2] = 1.0
-    drafts = torch.tensor([[0, 1]])
-    seen = []
-    acc, succ = accept_sampling(probs, drafts, torch.tensor([2]), torch.tensor([0]), torch.tensor([[0.9]]),
-                                lambda p: (seen.append(p.clone()), p.argmax(-1))[1])
-    assert acc.tolist() == [0] and succ.tolist() == [3]
-    assert torch.allclose(seen[0][0], torch.tensor([0, 0, 0, 1.0, 0, 0]))
-    # The same draft with a coin below 0.5 is accepted and the successor comes from the unmodified last row.
-    acc, succ = accept_sampling(probs, drafts, torch.tensor([2]), torch.tensor([0]), torch.tensor([[0.1]]),
-                                lambda p: p.argmax(-1))
-    assert acc.tolist() == [1] and succ.tolist() == [2]
+@pytest.mark.parametrize("rule", ["top1", "sampled"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_both_rules_keep_the_target_distribution(rule, k):
+    """Two output tokens of a 3-slot block with fixed per-row distributions p0, p1 (a model whose next-token law
+    does not depend on the previous token): the first committed token must follow p0 whatever k, and the second
+    (produced when the first draft was accepted) must follow p1."""
+    gen = torch.Generator().manual_seed(k + 10 * (rule == "sampled"))
+    vocab, trials = 7, 60000
+    p = torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, -1)
+    p[0, 5] = 0.0  # a token the target never emits
+    p[0] /= p[0].sum()
+    q = torch.softmax((p[:2] + 1e-3).log() + torch.randn(2, vocab, generator=gen), -1)  # a drafter close to p
+    u = lambda *shape: torch.rand(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    lens = torch.full((trials,), k)
+    offsets = torch.arange(trials) * k
+    rows = torch.cat([p[:k]] * trials)  # [trials * k, V] packed rows of every trial
+    target = sample_inverse_cdf(rows, u(trials * k))
+    if rule == "top1":
+        drafts = torch.cat([torch.zeros(trials, 1, dtype=torch.long), q.argmax(-1).expand(trials, 2)], dim=1)
+        acc, succ = accept_greedy(target, drafts, lens, offsets)
+    else:
+        drawn = sample_inverse_cdf(q.repeat(trials, 1), u(trials * 2)).view(trials, 2)
+        drafts = torch.cat([torch.zeros(trials, 1, dtype=torch.long), drawn], dim=1)
+        acc, succ = accept_sampled_drafts(rows, q.expand(trials, 2, vocab), drafts, target, lens, offsets,
+                                          u(trials, 2), u(trials))
+    first = torch.where(acc >= 1, drafts[:, 1], succ)
+    assert _fit(torch.bincount(first, minlength=vocab), p[0]) > 1e-3
+    if k >= 2:
+        accepted = acc >= 1
+        assert accepted.sum() > 2000, "drafts must be accepted for the second token to be tested"
+        second = torch.where(acc[accepted] >= 2, drafts[accepted, 2], succ[accepted])
+        assert _fit(torch.bincount(second, minlength=vocab), p[1]) > 1e-3
+    else:
+        assert (acc == 0).all()

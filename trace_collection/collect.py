@@ -196,18 +196,22 @@ def _progress(cfg: CollectConfig, total: int, done_shards: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`dscale-collect --config configs/demo.yaml [--max_prompts N] [--concurrency [8,16]] ...`"""
+    """`dscale-collect --config configs/demo.yaml [--max-prompts N] [--concurrency [8,16]] ...`"""
     from dscale_runtime.cli import pre_parse, section_parser
 
     argv = sys.argv[1:] if argv is None else argv
     config_path = pre_parse(argv, ("--config", None)).config
-    parser = section_parser("dscale-collect", __doc__, CollectConfig, "collect", config_path)
-    parser.add_argument("--config", type=str, help="configs/<target>.yaml (its `collect:` section)")
+    parser = section_parser("dscale-collect", __doc__, CollectConfig, "collect", config_path,
+                            extra=(("--config", {"type": str, "help": "configs/<target>.yaml (its `collect:` section)"}),))
     args = parser.parse_args(argv)
     values = {k: v for k, v in vars(args).items() if k != "config"}
     values["datasets"] = [d if isinstance(d, DatasetSpec) else DatasetSpec(**vars(d)) if hasattr(d, "__dict__")
                           else DatasetSpec(**d) for d in values["datasets"]]
-    manifest = collect(CollectConfig(**values))
+    try:
+        config = CollectConfig(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+    manifest = collect(config)
     print(json.dumps({"output": values["output"], "counts": manifest.get("counts"), "run": manifest.get("run")}))
 
 

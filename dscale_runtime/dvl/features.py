@@ -6,7 +6,9 @@ the highest logit, its gaps to ranks 2..16, the top token's log-probability and 
 state at each position through a fixed, seeded projection to `hidden_proj_dim` values (the matrix is a
 function of the spec and the drafter width, and is stored in traces and artifacts), then the batch
 context: live batch size, the request's context length and decode step, how many earlier steps it has,
-and its last `history` accepted counts (most recent first, 0 where missing).
+and its last `history` accepted counts (most recent first, 0 where missing). The confidence columns are
+computed in `dscale_runtime.kernels.features` (the reference beside its Triton kernel); this module lays out
+the whole row.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+
+# NOTE: re-exported: the collector, the trainer and the benchmarks read the feature definition from here.
+from dscale_runtime.kernels.features import confidence_features, confidence_features_ref
+
+__all__ = ["FEATURE_VERSION", "FeatureSpec", "acceptance_features", "confidence_features",
+           "confidence_features_ref", "context_features", "hidden_projection"]
 
 FEATURE_VERSION = "dscale-features-v1"
 
@@ -76,30 +84,6 @@ def hidden_projection(spec: FeatureSpec, hidden_size: int) -> torch.Tensor:
     return torch.randn(hidden_size, spec.hidden_proj_dim, generator=gen) / hidden_size**0.5
 
 
-def confidence_features(draft_logits: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """draft_logits [N, P, V] -> [N, P * (num_ranks + 2)]: `confidence_features_ref`'s columns, on CUDA in one
-    fused Triton pass over the logits (`dscale_runtime.kernels.features`), elsewhere the reference itself."""
-    from dscale_runtime.kernels.features import confidence_features as routed
-
-    return routed(draft_logits, num_ranks)
-
-
-def confidence_features_ref(draft_logits: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """draft_logits [N, P, V] -> [N, P * (num_ranks + 2)] (per position: top1, gaps, top1 logprob, entropy):
-    the portable definition, and the oracle of the fused kernel."""
-    logits = draft_logits.float()
-    top = logits.topk(min(num_ranks, logits.shape[-1]), dim=-1).values  # [N, P, R]
-    if top.shape[-1] < num_ranks:
-        # NOTE: only toy vocabularies are smaller than the rank count; missing ranks repeat the last logit.
-        top = torch.cat([top, top[..., -1:].expand(*top.shape[:-1], num_ranks - top.shape[-1])], dim=-1)
-    top1 = top[..., :1]
-    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, P, 1]
-    log_p = logits - log_z
-    entropy = -(log_p.exp() * log_p).sum(-1, keepdim=True)
-    per_position = torch.cat([top1, top1 - top[..., 1:], top1 - log_z, entropy], dim=-1)  # [N, P, R + 2]
-    return per_position.flatten(1)
-
-
 def context_features(spec: FeatureSpec, num_live: int, context_lens: list[int], decode_steps: list[int],
                      recent_accepted: list[list[int]], device: torch.device | str) -> torch.Tensor:
     """Batch context [N, 4 + history] built on the host from request state (one small copy per step)."""
@@ -116,7 +100,11 @@ def acceptance_features(
     draft_hidden: torch.Tensor,  # [N, P, d] drafter final (normed) hidden states at those positions
     projection: torch.Tensor,  # [d, hidden_proj_dim]
     context: torch.Tensor,  # [N, num_context] from context_features
+    backend: str = "auto",
 ) -> torch.Tensor:  # [N, spec.width] float32
+    """One feature row per request in `spec`'s layout. `backend` is the confidence features' path: the runner
+    passes its KernelChoice's `features` (chosen once); 'auto' applies the auto rule to the logits (the
+    portable reference on CPU, the Triton kernel on CUDA when triton is importable)."""
     assert draft_logits.shape[1] == spec.num_positions, "feature spec and block size disagree"
     hidden = (draft_hidden.float() @ projection.to(draft_hidden.device, torch.float32)).flatten(1)
-    return torch.cat([confidence_features(draft_logits, spec.num_ranks), hidden, context], dim=-1)
+    return torch.cat([confidence_features(draft_logits, spec.num_ranks, backend), hidden, context], dim=-1)

@@ -1,28 +1,39 @@
-"""Fast GPU paths behind one API, each beside its portable oracle.
+"""Fast GPU paths behind one API, each beside its portable oracle, and the choice between them.
 
-`paged_attention` routes one layer's attention over the paged cache: Triton (`triton_attention.py`, imported
-lazily) on CUDA tensors when triton is importable, the portable `paged_attention_ref` otherwise (so CPU
-runs are exactly the portable path). Force a path with `backend=` or the environment variable
-`DSCALE_ATTENTION=auto|ref|triton` (`triton` on CPU tensors runs Triton's interpreter, for tests); force
-the query tile with `tile_rows=` or `DSCALE_ATTENTION_TILE=16|32|64|128` (the "+tiles" ablation).
+`KernelChoice` (`choice.py`) names the path of every op; the models are built with one and pass its fields
+to the routers. `paged_attention` routes one layer's attention over the paged cache: Triton
+(`triton_attention.py`, imported lazily) when the caller says 'triton' (on CPU tensors that is Triton's
+interpreter, for tests), the portable `paged_attention_ref` for 'ref', and for 'auto' (direct calls) the
+auto rule on the query tensor. `tile_rows` forces the query tile; None routes by the longest query. The
+routers read no environment: DSCALE_ATTENTION / DSCALE_ATTENTION_TILE are read once, by
+`KernelChoice.resolve`.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 
 import torch
 
 from dscale_runtime.attention import AttentionMetadata, paged_attention_ref
+from dscale_runtime.kernels.choice import (
+    BACKENDS,
+    REQUESTS,
+    TILE_ROWS,
+    TRITON_DTYPES,
+    KernelChoice,
+    auto_backend,
+    check_backend,
+    triton_available,
+)
 
-BACKENDS = ("auto", "ref", "triton")
+__all__ = ["BACKENDS", "REQUESTS", "TILE_ROWS", "TRITON_DTYPES", "KernelChoice", "attention_backend",
+           "auto_backend", "check_backend", "heads_per_program", "paged_attention", "stack_usage",
+           "tile_rows_for", "triton_available"]
+
 VERIFY_TILE = 16  # query rows per tile when every request's query is at most this long (DESIGN 3.6)
 PREFILL_TILES = (64, 128)  # hardware tiles for longer queries
-TILE_ROWS = (16, 32, 64, 128)  # tiles a caller may force
 MAX_STACKED_ROWS = 128  # query rows x stacked q heads of one Triton program
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what every Triton path takes
 
 
 def tile_rows_for(max_q: int) -> int:
@@ -41,44 +52,10 @@ def heads_per_program(group: int, tile_rows: int) -> int:
     return g
 
 
-@functools.cache
-def triton_available() -> bool:
-    """Whether triton can be imported (checked once, without importing it)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def requested_backend(variable: str, backend: str | None = None) -> str:
-    """'auto', 'ref' or 'triton' as asked: the argument, else the environment `variable`, else auto. A bad
-    value names where it came from; 'triton' without triton installed names the way out. Each router then
-    applies its own rule to 'auto' (and to calls its Triton path cannot take)."""
-    choice = backend or os.environ.get(variable, "auto") or "auto"
-    if choice not in BACKENDS:
-        source = "backend" if backend else variable
-        raise ValueError(f"{source}={choice!r}: expected one of {', '.join(BACKENDS)}")
-    if choice == "triton" and not triton_available():
-        raise RuntimeError(f"{variable}=triton (or backend='triton') but triton is not installed: "
-                           f"pip install triton, or use {variable}=ref")
-    return choice
-
-
-def attention_backend(q: torch.Tensor, backend: str | None = None) -> str:
-    """'ref' or 'triton' for this call: the argument, else DSCALE_ATTENTION, else auto."""
-    choice = requested_backend("DSCALE_ATTENTION", backend)
-    if choice == "auto":
-        return "triton" if q.is_cuda and q.dtype in TRITON_DTYPES and triton_available() else "ref"
-    return choice
-
-
-def forced_tile_rows(tile_rows: int | None = None) -> int | None:
-    """The argument, else DSCALE_ATTENTION_TILE, else None (the router picks from max_q)."""
-    if tile_rows is not None:
-        return tile_rows
-    value = os.environ.get("DSCALE_ATTENTION_TILE")
-    if not value:
-        return None
-    if value not in tuple(map(str, TILE_ROWS)):
-        raise ValueError(f"DSCALE_ATTENTION_TILE={value!r}: expected one of {TILE_ROWS} (or unset)")
-    return int(value)
+def attention_backend(q: torch.Tensor, backend: str = "auto") -> str:
+    """'ref' or 'triton' for this call: `backend` as given, or for 'auto' the auto rule on q's device and dtype."""
+    check_backend(backend, "DSCALE_ATTENTION")
+    return auto_backend(q.device, q.dtype) if backend == "auto" else backend
 
 
 def paged_attention(
@@ -89,18 +66,19 @@ def paged_attention(
     page_size: int,
     scale: float,
     *,
-    backend: str | None = None,
-    tile_rows: int | None = None,
+    backend: str = "auto",
+    tile_rows: int | None = None,  # forced query tile (KernelChoice.attention_tile); None: by meta.max_q
     out: torch.Tensor | None = None,  # [T, H, D] output buffer (Triton path writes it in place)
 ) -> torch.Tensor:  # [T, H, D]
-    """Ragged attention over the paged cache through the chosen path (same contract as the portable one)."""
+    """Ragged attention over the paged cache through the path `backend` names (a KernelChoice's `attention`
+    from the models; same contract as the portable one)."""
     if attention_backend(q, backend) == "ref":
         result = paged_attention_ref(q, k_cache, v_cache, meta, page_size, scale)
         return result if out is None else out.copy_(result)
     from dscale_runtime.kernels.triton_attention import paged_attention_triton
 
     return paged_attention_triton(q, k_cache, v_cache, meta, page_size, scale,
-                                  tile_rows=forced_tile_rows(tile_rows), out=out)
+                                  tile_rows=tile_rows, out=out)
 
 
 def stack_usage(compiled) -> str:

@@ -1,49 +1,55 @@
-"""The confidence-feature router: one fused Triton pass over the drafter logits, or the portable reference.
+"""The confidence features (DESIGN 3.1): the portable reference and its router to one fused Triton pass.
 
-`confidence_features` computes DESIGN 3.1's per-position confidence columns (top1, gaps to ranks 2..num_ranks,
-top-1 log-probability, entropy) through Triton (`triton_features.py`, imported lazily) on CUDA tensors when
-triton is importable, and through the reference in `dscale_runtime.dvl.features` otherwise, or when the
-vocabulary is smaller than the rank count (toy vocabularies: the reference pads the missing ranks). CPU runs
-are therefore exactly the reference. Force a path with `backend=` or the environment variable
-`DSCALE_FEATURES=auto|ref|triton` (`triton` on CPU tensors runs Triton's interpreter, for tests).
-NOTE: `dscale_runtime.dvl.features` is imported inside functions only: it may import this router itself.
+`confidence_features_ref` is the definition of the per-position confidence columns (top1, gaps to ranks
+2..num_ranks, top-1 log-probability, entropy) and the oracle of the Triton kernel (`triton_features.py`,
+imported lazily). `confidence_features` takes the path from its caller (`backend=`: the runner passes its
+KernelChoice's `features` through `dvl.features.acceptance_features`): 'triton' runs the kernel (on CPU
+tensors that is Triton's interpreter, for tests), 'ref' the reference, and 'auto' (direct calls) applies the
+auto rule to the logits. Vocabularies smaller than the rank count (toy models) always take the reference,
+which pads the missing ranks. No call reads the environment (DSCALE_FEATURES is read once, by
+`KernelChoice.resolve`).
 """
 
 from __future__ import annotations
 
-
 import torch
 
-from dscale_runtime.kernels import TRITON_DTYPES, requested_backend, triton_available
+from dscale_runtime.kernels.choice import auto_backend, check_backend
 
 
-def features_backend(draft_logits: torch.Tensor, num_ranks: int, backend: str | None = None) -> str:
-    """'ref' or 'triton' for this call: the argument, else DSCALE_FEATURES, else auto."""
-    choice = requested_backend("DSCALE_FEATURES", backend)
+def confidence_features_ref(draft_logits: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """draft_logits [N, P, V] -> [N, P * (num_ranks + 2)] (per position: top1, gaps, top1 logprob, entropy):
+    the portable definition, and the oracle of the fused kernel."""
+    logits = draft_logits.float()
+    top = logits.topk(min(num_ranks, logits.shape[-1]), dim=-1).values  # [N, P, R]
+    if top.shape[-1] < num_ranks:
+        # NOTE: only toy vocabularies are smaller than the rank count; missing ranks repeat the last logit.
+        top = torch.cat([top, top[..., -1:].expand(*top.shape[:-1], num_ranks - top.shape[-1])], dim=-1)
+    top1 = top[..., :1]
+    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, P, 1]
+    log_p = logits - log_z
+    entropy = -(log_p.exp() * log_p).sum(-1, keepdim=True)
+    per_position = torch.cat([top1, top1 - top[..., 1:], top1 - log_z, entropy], dim=-1)  # [N, P, R + 2]
+    return per_position.flatten(1)
+
+
+def features_backend(draft_logits: torch.Tensor, num_ranks: int, backend: str = "auto") -> str:
+    """'ref' or 'triton' for this call: `backend` as given ('auto': the auto rule on the logits), except that
+    a vocabulary smaller than the rank count takes the reference."""
+    check_backend(backend, "DSCALE_FEATURES")
     if draft_logits.shape[-1] < num_ranks:
         return "ref"
-    if choice == "auto":
-        usable = draft_logits.is_cuda and draft_logits.dtype in TRITON_DTYPES and triton_available()
-        return "triton" if usable else "ref"
-    return choice
-
-
-def reference():
-    """The portable reference (`dscale_runtime.dvl.features`): the oracle of the Triton path."""
-    from dscale_runtime.dvl import features
-
-    # NOTE: `dvl.features.confidence_features` routes through this module; the portable one is `_ref`.
-    return features.confidence_features_ref
+    return auto_backend(draft_logits.device, draft_logits.dtype) if backend == "auto" else backend
 
 
 def confidence_features(
     draft_logits: torch.Tensor,  # [N, P, V] drafter logits at draft positions 1..P
     num_ranks: int,
-    backend: str | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:  # [N, P * (num_ranks + 2)] float32, per position: top1, gaps, top1 logprob, entropy
-    """The confidence features through the chosen path (same contract as the reference)."""
+    """The confidence features through the path `backend` names (same contract as the reference)."""
     if features_backend(draft_logits, num_ranks, backend) == "ref":
-        return reference()(draft_logits, num_ranks)
+        return confidence_features_ref(draft_logits, num_ranks)
     from dscale_runtime.kernels.triton_features import confidence_features_triton
 
     num_requests, num_positions, vocab = draft_logits.shape

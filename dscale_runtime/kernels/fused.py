@@ -2,38 +2,36 @@
 
 The references are exactly the torch op sequence of `models/layers.py` (every op rounding to the tensor
 dtype): RMSNorm, the residual add before `post_attention_layernorm`, q_norm / k_norm followed by RoPE, and
-the SwiGLU activation. The routers send CUDA tensors to the Triton kernels (`triton_fused.py`, imported
-lazily) when triton is importable, and everything else to the reference, so CPU runs are exactly the
-reference. Force a path with `backend=` or the environment variable `DSCALE_FUSED=auto|ref|triton`
-(`triton` on CPU tensors runs Triton's interpreter, for tests). See `triton_fused.py` for what is
-bit-identical to the reference and what may differ by 1 ulp.
+the SwiGLU activation. The routers take the path from their caller (`backend=`: the layers pass their
+KernelChoice's `fused`): 'triton' runs the Triton kernels (`triton_fused.py`, imported lazily; on CPU
+tensors that is Triton's interpreter, for tests), 'ref' the reference, and 'auto' (direct calls) applies the
+auto rule to the tensor. No router reads the environment (DSCALE_FUSED is read once, by
+`KernelChoice.resolve`). See `triton_fused.py` for what is bit-identical to the reference and what may
+differ by 1 ulp.
 """
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
-from dscale_runtime.kernels import TRITON_DTYPES, requested_backend, triton_available
+from dscale_runtime.kernels.choice import TRITON_DTYPES, auto_backend, check_backend
 
 
-
-def fused_backend(x: torch.Tensor, backend: str | None = None, *others: torch.Tensor) -> str:
-    """'ref' or 'triton' for this call: the argument, else DSCALE_FUSED, else auto. The kernels are for
+def fused_backend(x: torch.Tensor, backend: str = "auto", *others: torch.Tensor) -> str:
+    """'ref' or 'triton' for this call: `backend` as given ('auto': the auto rule on x). The kernels are for
     inference: a call that autograd records (training) or whose other operands (`others`: weights, RoPE
-    tables, the residual) differ from x in dtype (autocast) takes the reference even when triton is forced."""
-    choice = requested_backend("DSCALE_FUSED", backend)
-    if choice == "ref":
+    tables, the residual) differ from x in dtype or device (autocast) takes the reference even when
+    'triton' is chosen; these are checks of the tensors, not of any setting."""
+    check_backend(backend, "DSCALE_FUSED")
+    if backend == "ref":
         return "ref"
     operands = (x, *others)
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
         return "ref"
     if any(t.dtype != x.dtype or t.device != x.device for t in others) or x.dtype not in TRITON_DTYPES:
         return "ref"
-    if choice == "auto":
-        return "triton" if x.is_cuda and triton_available() else "ref"
-    return choice
+    return auto_backend(x.device, x.dtype) if backend == "auto" else backend
 
 
 # ------------------------------------------------------------------------------------------ references
@@ -70,7 +68,7 @@ def rms_norm(
     weight: torch.Tensor,  # [d]
     eps: float,
     *,
-    backend: str | None = None,
+    backend: str = "auto",
     out: torch.Tensor | None = None,  # [..., d]
 ) -> torch.Tensor:  # [..., d]
     """RMSNorm over the last dim through the chosen path (same result contract as `rms_norm_ref`)."""
@@ -88,7 +86,7 @@ def add_rms_norm(
     weight: torch.Tensor,  # [d]
     eps: float,
     *,
-    backend: str | None = None,
+    backend: str = "auto",
     out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (sum, normed) buffers [T, d]; the sum may be x
 ) -> tuple[torch.Tensor, torch.Tensor]:  # x + delta [T, d], rms_norm(x + delta) [T, d]
     """The residual add and the following RMSNorm (`add_rms_norm_ref`'s contract) in one pass."""
@@ -107,7 +105,7 @@ def qk_norm_rope(
     sin: torch.Tensor,  # [T, D]
     eps: float,
     *,
-    backend: str | None = None,
+    backend: str = "auto",
     out: torch.Tensor | None = None,  # [T, H, D]
 ) -> torch.Tensor:  # [T, H, D]
     """q_norm / k_norm then RoPE (`qk_norm_rope_ref`'s contract), reading x in place on the Triton path."""
@@ -122,7 +120,7 @@ def qk_norm_rope(
 def silu_mul(
     gate_up: torch.Tensor,  # [T, 2I]
     *,
-    backend: str | None = None,
+    backend: str = "auto",
     out: torch.Tensor | None = None,  # [T, I]
 ) -> torch.Tensor:  # [T, I]
     """silu(gate) * up (`silu_mul_ref`'s contract)."""

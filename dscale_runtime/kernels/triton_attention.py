@@ -219,7 +219,7 @@ def paged_attention_triton(
         return out
     if not q.is_cuda and not interpreted():
         raise RuntimeError("Triton attention on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before triton is imported, or use DSCALE_ATTENTION=ref")
+                           "before triton is imported, or use DSCALE_ATTENTION=ref (KernelChoice.attention='ref')")
     consts = kernel_constants(q.dtype, num_heads, num_kv_heads, head_dim, tile, page_size, meta.causal, config)
     starts, lens = meta.query_bounds()
     tables = meta.block_tables

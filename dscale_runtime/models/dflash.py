@@ -6,7 +6,8 @@ Context: the outputs of the target layers `target_layer_ids`, concatenated, go t
 Block: the anchor plus W - 1 mask tokens, embedded with the target's embedding; the block attends
 bidirectionally to [context + block]; draft logits at positions 1..W-1 come from the target's LM head.
 The block's own K/V are written to the cache slots after the context and are never read again: the next
-context injection overwrites them (the committed drafter length bounds what attention may read).
+context injection overwrites them (the committed drafter length bounds what attention may read). The kernel
+paths are the `KernelChoice` the drafter is built with; `use_kernels` changes them afterwards.
 """
 
 from __future__ import annotations
@@ -16,21 +17,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from dscale_runtime.attention import AttentionMetadata
-from dscale_runtime.kernels import fused
+from dscale_runtime.kernels import KernelChoice, fused
 from dscale_runtime.models.config import DFlashConfig
-from dscale_runtime.models.layers import KVLayerCache, Qwen3DecoderLayer, RMSNorm, rope_cos_sin
+from dscale_runtime.models.layers import PORTABLE, KVLayerCache, Qwen3DecoderLayer, RMSNorm, rope_cos_sin, use_kernels
 
 
 class DFlashDraftModel(nn.Module):
-    def __init__(self, cfg: DFlashConfig) -> None:
+    def __init__(self, cfg: DFlashConfig, kernels: KernelChoice = PORTABLE) -> None:
         super().__init__()
         self.config = cfg
+        self.kernels = kernels  # the kernel path of every layer (see use_kernels)
         d = cfg.layers.hidden_size
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg.layers) for _ in range(cfg.layers.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg.layers, kernels)
+                                    for _ in range(cfg.layers.num_hidden_layers))
         self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
-        self.hidden_norm = RMSNorm(d, cfg.layers.rms_norm_eps)
-        self.norm = RMSNorm(d, cfg.layers.rms_norm_eps)
+        self.hidden_norm = RMSNorm(d, cfg.layers.rms_norm_eps, kernels)
+        self.norm = RMSNorm(d, cfg.layers.rms_norm_eps, kernels)
         self._head: tuple[torch.Tensor, torch.Tensor] | None = None  # (target LM head, its copy in our dtype)
+
+    def use_kernels(self, kernels: KernelChoice) -> "DFlashDraftModel":
+        """Run every draft layer through `kernels` from now on (see Qwen3ForCausalLM.use_kernels)."""
+        use_kernels(self, kernels)
+        return self
 
     @property
     def dtype(self) -> torch.dtype:
@@ -54,11 +62,11 @@ class DFlashDraftModel(nn.Module):
         caches: list[KVLayerCache],
     ) -> None:
         """Write the context K/V of T verified rows into every draft layer's cache."""
-        fused = self.fuse_context(target_features)
+        context = self.fuse_context(target_features)
         attn = self.layers[0].self_attn
-        cos_sin = rope_cos_sin(positions, attn.head_dim, attn.rope_theta, fused.dtype)
+        cos_sin = rope_cos_sin(positions, attn.head_dim, attn.rope_theta, context.dtype)
         for layer, cache in zip(self.layers, caches):
-            layer.self_attn.write_kv(fused, positions, slots, cache, cos_sin)
+            layer.self_attn.write_kv(context, positions, slots, cache, cos_sin)
 
     def forward(
         self,
@@ -69,7 +77,7 @@ class DFlashDraftModel(nn.Module):
         x, delta = block_embeds.to(self.dtype), None
         for layer, cache in zip(self.layers, caches):
             x, delta = layer(x, meta, cache, delta)
-        return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
+        return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps, backend=self.kernels.fused)[1]
 
     def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
         """The target's LM head [V, d] in the drafter's dtype: the tensor itself when the dtypes agree, else a

@@ -2,7 +2,8 @@
 
 The target and the DFlash drafter share these. Attention reads and writes the paged KV cache through
 `AttentionMetadata`; `write_kv` is split out because the drafter also writes K/V for context rows that
-never become queries (the fused target features).
+never become queries (the fused target features). Every layer holds the `KernelChoice` it was built with
+(`kernels`) and passes its fields to the kernel routers on each call; `use_kernels` changes it afterwards.
 """
 
 from __future__ import annotations
@@ -12,20 +13,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from dscale_runtime.attention import AttentionMetadata
-from dscale_runtime.kernels import fused, paged_attention
+from dscale_runtime.kernels import KernelChoice, fused, paged_attention
 from dscale_runtime.models.config import Qwen3Config
+
+PORTABLE = KernelChoice()  # what a layer built without a choice runs: the references everywhere
+
+
+def use_kernels(module: nn.Module, kernels: KernelChoice) -> None:
+    """Give `module` and every layer inside it the kernel choice `kernels` (the models' `use_kernels`)."""
+    if not isinstance(kernels, KernelChoice):
+        raise TypeError(f"use_kernels takes a KernelChoice (dscale_runtime.kernels), got {kernels!r}")
+    for m in module.modules():
+        if isinstance(getattr(m, "kernels", None), KernelChoice):
+            m.kernels = kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: KernelChoice = PORTABLE) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: normalise in fp32, cast back, then scale: the order transformers' Qwen3RMSNorm uses
         # (`kernels.fused.rms_norm_ref`; the Triton path on CUDA rounds at the same points).
-        return fused.rms_norm(x, self.weight, self.eps)
+        return fused.rms_norm(x, self.weight, self.eps, backend=self.kernels.fused)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -53,8 +66,9 @@ class KVLayerCache:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
         super().__init__()
+        self.kernels = kernels
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -64,8 +78,8 @@ class Qwen3Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused (weight, bias), see fuse_projections
 
     def fuse_projections(self) -> None:
@@ -104,7 +118,8 @@ class Qwen3Attention(nn.Module):
         self._store(k, v, cos, sin, slots, cache)
 
     def _store(self, k, v, cos, sin, slots, cache: KVLayerCache) -> None:
-        cache.k[slots] = fused.qk_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps).to(cache.k.dtype)
+        k = fused.qk_norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps, backend=self.kernels.fused)
+        cache.k[slots] = k.to(cache.k.dtype)
         cache.v[slots] = v.to(cache.v.dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVLayerCache) -> torch.Tensor:
@@ -120,15 +135,17 @@ class Qwen3Attention(nn.Module):
                 [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
             k, v = k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
         q = fused.qk_norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_norm.weight, cos, sin,
-                               self.q_norm.eps)
+                               self.q_norm.eps, backend=self.kernels.fused)
         self._store(k, v, cos, sin, meta.slot_mapping, cache)
-        out = paged_attention(q, cache.k, cache.v, meta, cache.page_size, self.scale)
+        out = paged_attention(q, cache.k, cache.v, meta, cache.page_size, self.scale,
+                              backend=self.kernels.attention, tile_rows=self.kernels.attention_tile)
         return self.o_proj(out.reshape(x.shape[0], -1).to(x.dtype))
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
         super().__init__()
+        self.kernels = kernels
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -147,16 +164,17 @@ class Qwen3MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(fused.silu_mul(F.linear(x, self.gate_up)))
+        return self.down_proj(fused.silu_mul(F.linear(x, self.gate_up), backend=self.kernels.fused))
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(cfg)
-        self.mlp = Qwen3MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.kernels = kernels
+        self.self_attn = Qwen3Attention(cfg, kernels)
+        self.mlp = Qwen3MLP(cfg, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def fuse_projections(self) -> None:
         self.self_attn.fuse_projections()
@@ -167,8 +185,8 @@ class Qwen3DecoderLayer(nn.Module):
         """Residual stream x [T, d] (plus the previous layer's pending output `delta`, added here in the
         same pass as this layer's input norm) -> (residual stream, this layer's pending MLP output): the
         layer's output is their sum, left to the next layer (or the caller) to add."""
-        norm = self.input_layernorm
-        x, h = (x, norm(x)) if delta is None else fused.add_rms_norm(x, delta, norm.weight, norm.eps)
+        norm, backend = self.input_layernorm, self.kernels.fused
+        x, h = (x, norm(x)) if delta is None else fused.add_rms_norm(x, delta, norm.weight, norm.eps, backend=backend)
         norm = self.post_attention_layernorm
-        x, h = fused.add_rms_norm(x, self.self_attn(h, meta, cache), norm.weight, norm.eps)
+        x, h = fused.add_rms_norm(x, self.self_attn(h, meta, cache), norm.weight, norm.eps, backend=backend)
         return x, self.mlp(h)

@@ -2,7 +2,9 @@
 and the target folder's tokenizer and end-of-sequence ids.
 
 Every error names the file and the key to fix: missing or unexpected weights, shape mismatches, unknown
-architectures, a drafter whose width or `fc` input does not match the target.
+architectures, a drafter whose width or `fc` input does not match the target. The loaded models are built
+with their kernel paths (`KernelChoice`): the one passed in, else the one resolved once for the device and
+dtype (DSCALE_ATTENTION / DSCALE_ATTENTION_TILE / DSCALE_FUSED / DSCALE_FEATURES, else the auto rule).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from dscale_runtime.kernels import KernelChoice
 from dscale_runtime.models.config import (
     CheckpointError,
     DFlashConfig,
@@ -107,17 +110,22 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return table[dtype]
 
 
-def load_target(folder: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu") -> Qwen3ForCausalLM:
+def load_target(folder: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
+                kernels: KernelChoice | None = None) -> Qwen3ForCausalLM:
+    """The Qwen3 target in `folder` on `device` in `dtype`, running the kernel paths `kernels` (None:
+    `KernelChoice.resolve(device, dtype)`)."""
     folder = Path(folder)
+    dtype = resolve_dtype(dtype)
+    kernels = kernels if kernels is not None else KernelChoice.resolve(device, dtype)
     cfg = load_target_config(folder)
     tensors = read_tensors(weight_files(folder))
     if cfg.tie_word_embeddings:
         # NOTE: tied checkpoints normally omit lm_head.weight; a copy, if present, is ignored.
         tensors.pop("lm_head.weight", None)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        model = Qwen3ForCausalLM(cfg, kernels)
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    _assign(model, tensors, folder, resolve_dtype(dtype), torch.device(device), optional)
+    _assign(model, tensors, folder, dtype, torch.device(device), optional)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
@@ -141,9 +149,14 @@ def check_pair(target: Qwen3Config, drafter: DFlashConfig, folder: Path) -> None
 
 
 def load_drafter(
-    folder: str | Path, target: Qwen3Config, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+    folder: str | Path, target: Qwen3Config, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
+    kernels: KernelChoice | None = None,
 ) -> DFlashDraftModel:
+    """The DFlash drafter in `folder`, checked against its `target`'s config, on `device` in `dtype`, running
+    the kernel paths `kernels` (None: `KernelChoice.resolve(device, dtype)`)."""
     folder = Path(folder)
+    dtype = resolve_dtype(dtype)
+    kernels = kernels if kernels is not None else KernelChoice.resolve(device, dtype)
     cfg = load_drafter_config(folder)
     check_pair(target, cfg, folder)
     raw = read_tensors(weight_files(folder))
@@ -157,8 +170,8 @@ def load_drafter(
             f"layers x hidden {target.hidden_size} = {want}"
         )
     with torch.device("meta"):
-        model = DFlashDraftModel(cfg)
-    _assign(model, tensors, folder, resolve_dtype(dtype), torch.device(device))
+        model = DFlashDraftModel(cfg, kernels)
+    _assign(model, tensors, folder, dtype, torch.device(device))
     return model.eval()
 
 

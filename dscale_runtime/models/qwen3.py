@@ -2,7 +2,9 @@
 
 One forward takes T packed rows of N ragged requests (prefill chunks, verification blocks, decode rows),
 writes their K/V, and returns the logits of the rows asked for plus the outputs of the target layers the
-DFlash drafter fuses into its context (`hidden_states[layer_id + 1]` in transformers' numbering).
+DFlash drafter fuses into its context (`hidden_states[layer_id + 1]` in transformers' numbering). The
+kernel paths are the `KernelChoice` the model is built with (the loader resolves one for the device and
+dtype); `use_kernels` changes them afterwards.
 """
 
 from __future__ import annotations
@@ -11,26 +13,35 @@ import torch
 from torch import nn
 
 from dscale_runtime.attention import AttentionMetadata
+from dscale_runtime.kernels import KernelChoice
 from dscale_runtime.models.config import Qwen3Config
-from dscale_runtime.models.layers import KVLayerCache, Qwen3DecoderLayer, RMSNorm
+from dscale_runtime.models.layers import PORTABLE, KVLayerCache, Qwen3DecoderLayer, RMSNorm, use_kernels
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, kernels) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Qwen3Model(cfg)
+        self.kernels = kernels  # the kernel path of every layer (see use_kernels)
+        self.model = Qwen3Model(cfg, kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_kernels(self, kernels: KernelChoice) -> "Qwen3ForCausalLM":
+        """Run every layer through `kernels` from now on (e.g. the benchmarks' forced 128-row attention tile:
+        `model.use_kernels(dataclasses.replace(model.kernels, attention_tile=128))`). Do it outside a CUDA
+        graph capture: graphs captured before keep the paths they captured."""
+        use_kernels(self, kernels)
+        return self
 
     def fuse_projections(self) -> "Qwen3ForCausalLM":
         """Fused q/k/v and gate/up weights in every layer (fewer, larger GEMMs; names and memory unchanged).

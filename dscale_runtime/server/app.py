@@ -1,8 +1,11 @@
 """The FastAPI application: OpenAI routes, checks in the order a client can fix them, SSE streaming.
 
-Checks before a request reaches the engine thread: API key (401), body size (413), JSON (400), fields
-(400, the field named), model name (404), unsupported options (400), server queue (429). The engine
-thread then checks the prompt against the context limit (400). None of these touch other requests.
+Checks before a request reaches the engine thread: API key (401, every route but /health), body size (413),
+JSON (400: syntax, UTF-8, nesting, integer size, lone surrogates), fields (400, the field named), model name
+(404), unsupported options (400), server queue (429 with Retry-After), then the prompt, rendered and
+tokenized in a thread pool (`templates.PromptBuilder`), against the context limit (400). None of these touch
+other requests. Every error answer has OpenAI's shape and an `X-Request-Id` header; a 500 names the request
+id and never the exception (the log has it, under the same id).
 """
 
 from __future__ import annotations
@@ -11,19 +14,27 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 import uuid
 from collections import Counter
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dscale_runtime.server import metrics, protocol
+from dscale_runtime.server import protocol
+from dscale_runtime.server.decode import decode_json
 from dscale_runtime.server.config import ServeConfig
+from dscale_runtime.server.metrics import ServerMetrics
 from dscale_runtime.server.protocol import ApiError
+from dscale_runtime.server.templates import PromptBuilder
 from dscale_runtime.server.worker import Admitted, Delta, EngineWorker, Finished, Rejected, Submission
 
 log = logging.getLogger("dscale.serve")
+
+OPEN_PATHS = ("/health",)
+"""Routes answered without the API key."""
 
 
 class ServerState:
@@ -32,12 +43,67 @@ class ServerState:
     def __init__(self, engine, config: ServeConfig) -> None:
         self.config = config
         self.engine = engine
-        self.worker = EngineWorker(engine)
         self.model = config.model_name
+        self.metrics = ServerMetrics(self, self.model, engine.block_size, engine.config.max_running_requests)
+        self.worker = EngineWorker(engine, self.metrics)
+        self.prompts = PromptBuilder(engine.tokenizer, timeout=config.template_timeout,
+                                     max_chars=config.max_prompt_chars)
+        self.limits = protocol.Limits(engine.target.config.vocab_size, engine.config.max_model_len)
         self.num_pending = 0
         self.requests_received = 0
         self.http_errors: Counter[int] = Counter()
         self.max_pending = engine.config.max_running_requests + config.max_waiting_requests
+
+
+class EdgeMiddleware:
+    """ASGI middleware around every route: request ids, the API key, error counts, and the last-resort 500.
+
+    Pure ASGI (not BaseHTTPMiddleware), so handlers keep reading `http.disconnect` from the real receive."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = False
+
+        async def send_with_id(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    self.state.http_errors[message["status"]] += 1
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        refused = self._check_key(scope)
+        if refused is not None:
+            return await refused(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("request %s: unhandled error in %s %s", request_id, scope["method"], scope["path"])
+            if not started:
+                body = protocol.error_body(500, f"internal error (request id {request_id}; the server log has the "
+                                                "details)")
+                await JSONResponse(body, status_code=500)(scope, receive, send_with_id)
+
+    def _check_key(self, scope) -> Response | None:
+        key = self.state.config.api_key
+        if key is None or scope["path"] in OPEN_PATHS:
+            return None
+        header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
+            return None
+        what = "missing" if not header else "wrong"
+        return JSONResponse(protocol.error_body(401, f"{what} API key: send the header 'Authorization: Bearer KEY' "
+                                                     "with the key dscale-serve was started with (--api-key)"),
+                            status_code=401)
 
 
 def build_app(engine, config: ServeConfig) -> FastAPI:
@@ -52,30 +118,30 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
         state.worker.start()
         yield
         await asyncio.to_thread(state.worker.stop)
+        state.prompts.close()
 
-    app = FastAPI(title="dscale-serve", lifespan=lifespan)
+    docs = config.enable_docs
+    app = FastAPI(title="dscale-serve", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = state
+    app.add_middleware(EdgeMiddleware, state=state)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        state.http_errors[exc.status] += 1
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        log.exception("unhandled error")
-        state.http_errors[500] += 1
-        return JSONResponse(ApiError(500, f"internal error: {exc}").body(), status_code=500)
-
-    def check_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
-            what = "missing" if not header else "wrong"
-            raise ApiError(401, f"{what} API key: send the header 'Authorization: Bearer KEY' with the key "
-                                "dscale-serve was started with (--api-key)")
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = (f"no route {request.method} {request.url.path}; this server answers /v1/completions, "
+                       "/v1/chat/completions, /v1/models, /health and /metrics")
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(protocol.error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=exc.headers)
 
     async def read_json(request: Request):
         limit = config.max_request_bytes
@@ -89,15 +155,16 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
             body += chunk
             if len(body) > limit:
                 raise too_large
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        return decode_json(bytes(body))
 
     def check_model(name: str | None) -> None:
         if name is not None and name != state.model:
             raise ApiError(404, f"model '{name}' does not exist; this server serves '{state.model}' "
                                 "(GET /v1/models)", "model")
+
+    def model_card() -> dict:
+        return {"id": state.model, "object": "model", "created": 0, "owned_by": "dscale",
+                "max_model_len": engine.config.max_model_len, "mode": engine.config.mode}
 
     @app.get("/health")
     async def health():
@@ -107,65 +174,78 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def get_metrics():
-        text = metrics.render(state.worker, state.model, state.requests_received, dict(state.http_errors),
-                              state.num_pending)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        check_key(request)
-        return {"object": "list", "data": [{
-            "id": state.model, "object": "model", "created": 0, "owned_by": "dscale",
-            "max_model_len": engine.config.max_model_len, "mode": engine.config.mode}]}
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    async def parse(request: Request, body_type):
+        body = protocol.parse_body(body_type, await read_json(request))
+        check_model(body.model)
+        body.refuse_unsupported()
+        body.check_limits(state.limits)
+        return body
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        check_key(request)
-        body = protocol.parse_body(protocol.CompletionRequest, await read_json(request))
-        check_model(body.model)
-        body.refuse_unsupported()
-        prompt = body.prompt_input(engine.target.config.vocab_size)
-        return await run(request, body, prompt, body.max_tokens, chat=False)
+        arrival = time.perf_counter()
+        body = await parse(request, protocol.CompletionRequest)
+        prompt = body.prompt_input(state.limits.vocab_size)
+        tokenize = state.prompts.token_ids(prompt) if isinstance(prompt, str) else None
+        return await run(request, body, prompt if tokenize is None else tokenize, chat=False, arrival=arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        check_key(request)
-        body = protocol.parse_body(protocol.ChatCompletionRequest, await read_json(request))
-        check_model(body.model)
-        body.refuse_unsupported()
-        tokenizer = engine.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
+        arrival = time.perf_counter()
+        body = await parse(request, protocol.ChatCompletionRequest)
+        template, variables = body.template_variables(config.trust_request_chat_template)
+        template = template if template is not None else state.prompts.model_template
+        if template is None:
             raise ApiError(400, f"model '{state.model}' has no chat template (its tokenizer_config.json has no "
                                 "'chat_template'): use /v1/completions with a plain prompt", "messages")
-        try:
-            prompt = tokenizer.apply_chat_template([m.as_template_input() for m in body.messages], tokenize=False,
-                                                   add_generation_prompt=True, **(body.chat_template_kwargs or {}))
-        except Exception as exc:  # template errors are the request's (roles, kwargs)
-            raise ApiError(400, f"the chat template could not render these messages: {exc}", "messages") from None
-        return await run(request, body, prompt, body.output_limit, chat=True)
+        messages = [m.as_template_input() for m in body.messages]
+        return await run(request, body, state.prompts.chat_token_ids(messages, template, variables), chat=True,
+                         arrival=arrival)
 
-    async def run(request: Request, body, prompt, max_tokens: int | None, chat: bool) -> Response:
+    async def run(request: Request, body, prompt, chat: bool, arrival: float) -> Response:
+        """Queue place, prompt tokens (`prompt`: token ids or a coroutine making them), submission, answer."""
         state.requests_received += 1
-        try:
-            params = body.sampling_params(max_tokens or 1)  # max_tokens=None: set once the prompt is tokenized
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
         if state.num_pending >= state.max_pending:
+            if asyncio.iscoroutine(prompt):
+                prompt.close()
             raise ApiError(429, f"the server queue is full ({state.num_pending} requests running or waiting; "
                                 f"--max-running-requests {engine.config.max_running_requests} + "
-                                f"--max-waiting-requests {config.max_waiting_requests}); retry later")
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        sub = Submission(request_id, prompt, params, max_tokens, body.stream, asyncio.Queue(), loop, release)
-        # NOTE: the count drops when the engine thread's last event for the request arrives (`release`), so
-        # no way of leaving (error, disconnect, a stream that never started) can leak a queue place.
+                                f"--max-waiting-requests {config.max_waiting_requests}); retry later",
+                           headers={"Retry-After": "1"})
+        # NOTE: the place is taken before tokenizing and given back by `release` when the engine thread's last
+        # event for the request arrives, or here if the request never reaches the engine thread.
         state.num_pending += 1
+        submitted = False
         try:
+            token_ids = await prompt if asyncio.iscoroutine(prompt) else prompt
+            max_tokens = protocol.check_context(len(token_ids), body.output_limit, state.limits.max_model_len,
+                                                body.output_limit_field)
+            request_id = ("chatcmpl-" if chat else "cmpl-") + request.state.request_id
+            sub = Submission(request_id, token_ids, body.sampling_params(max_tokens), body.stream, asyncio.Queue(),
+                             asyncio.get_running_loop(), release, arrival)
             state.worker.submit(sub)
+            submitted = True
             first = await sub.events.get()
         except asyncio.CancelledError:
-            state.worker.abort(request_id)
+            if submitted:
+                state.worker.abort(request_id)
             raise
+        finally:
+            if not submitted:
+                release()
         if isinstance(first, Rejected):
             raise ApiError(first.status, first.message, first.param)
         assert isinstance(first, Admitted)
@@ -176,8 +256,9 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
         finished = await wait_finished(request, sub)
         if finished is None:
             return Response(status_code=499)  # the client left; nobody reads this
+        meta = protocol.meta_info(request_id, finished.output, finished.e2e_latency) if body.return_meta_info else None
         build = protocol.chat_body if chat else protocol.completion_body
-        return JSONResponse(build(request_id, state.model, finished.text, finished.output))
+        return JSONResponse(build(request_id, state.model, finished.text, finished.output, meta))
 
     def release() -> None:
         state.num_pending -= 1

@@ -51,7 +51,20 @@ class ServeConfig:
     start-up on CUDA; default: on with a CUDA device (4-8x the tokens/s of eager steps on the demo pair,
     docs/benchmarks.md), off elsewhere (without graphs the fixed buckets only add padding rows)."""
     api_key: str | None = None
-    """When set, /v1/* requests must send 'Authorization: Bearer KEY'."""
+    """When set, every request but GET /health must send 'Authorization: Bearer KEY'."""
+    enable_docs: bool = False
+    """Serve FastAPI's /docs, /redoc and /openapi.json (behind --api-key when it is set)."""
+    trust_request_chat_template: bool = False
+    """Render chat templates sent by requests ('chat_template', or 'chat_template' in 'chat_template_kwargs');
+    without it only the model's own template runs and requests carry template variables only (vLLM's flag)."""
+    template_timeout: float = 5.0
+    """Seconds a chat template may take to render one request's messages (400 past it)."""
+    max_prompt_chars: int = 1 << 20
+    """Longest prompt text in characters (a rendered chat included); a longer one gets 400."""
+    timeout_keep_alive: int = 5
+    """Seconds an idle keep-alive connection stays open (uvicorn's --timeout-keep-alive)."""
+    header_timeout: float = 10.0
+    """Seconds a connection may take to send a request's line and headers before it is closed."""
     served_model_name: str | None = None
     """Model name in the API; default: the target folder's name."""
     max_request_bytes: int = 1 << 20
@@ -77,6 +90,12 @@ class ServeConfig:
             raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for flag, value in (("--template-timeout", self.template_timeout), ("--max-prompt-chars", self.max_prompt_chars),
+                            ("--timeout-keep-alive", self.timeout_keep_alive), ("--header-timeout", self.header_timeout)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be positive, got {value}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty (leave the flag out to serve without a key)")
 
     @property
     def target_path(self) -> Path:

@@ -34,6 +34,44 @@ def load_engine(config: ServeConfig, engine_cls=None):
                                                   config=engine_config)
 
 
+def uvicorn_config(app, config: ServeConfig, log_level: str):
+    """uvicorn's settings for `app`: h11 with a deadline for request headers, the keep-alive timeout."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
+                          http=header_deadline_protocol(config.header_timeout),
+                          timeout_keep_alive=config.timeout_keep_alive)
+
+
+def header_deadline_protocol(seconds: float):
+    """uvicorn's h11 protocol, closing a connection whose request line and headers take over `seconds`.
+
+    uvicorn arms a timer only once a response is complete (keep-alive), so a client that connects and sends
+    nothing, or half a request, would hold its connection (and a file descriptor) forever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            self._arm_header_deadline()  # the next request on this connection has its own deadline
+            super().on_response_complete()
+
+        def _arm_header_deadline(self) -> None:
+            waiting_for = self.cycle
+            self.loop.call_later(seconds, self._header_deadline, waiting_for)
+
+        def _header_deadline(self, waiting_for) -> None:
+            # NOTE: a new request cycle means the headers arrived in time; an idle keep-alive connection is
+            # uvicorn's (timeout_keep_alive) unless it started a request and stalled.
+            if self.cycle is waiting_for and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
@@ -50,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("dscale.serve").info(
         "serving '%s' (mode %s, max %d running, context %d) on http://%s:%d/v1", config.model_name, config.mode,
         config.max_running_requests, engine.config.max_model_len, config.host, config.port)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    uvicorn.Server(uvicorn_config(app, config, config.log_level)).run()
 
 
 if __name__ == "__main__":
@@ -69,8 +107,7 @@ class BackgroundServer:
 
         self.app = build_app(engine, config)
         self.state = self.app.state.server
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=config.port,
-                                                     log_level="warning", lifespan="on"))
+        self._server = uvicorn.Server(uvicorn_config(self.app, config, "warning"))
         self._thread = None
         self.url = ""
 

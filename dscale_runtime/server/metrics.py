@@ -1,63 +1,113 @@
-"""/metrics: the engine's and the server's counters in the Prometheus text format (version 0.0.4)."""
+"""/metrics through `prometheus_client`: one registry per server, names in the vLLM / SGLang style.
+
+Every series carries the label `model_name` (the served model name; prometheus_client escapes it). Counters
+and gauges the engine or the server already keeps are read at scrape time by a collector; latency and
+speculative-decoding distributions are histograms observed by the engine thread as requests and steps end.
+"""
 
 from __future__ import annotations
 
-import math
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0,
+               960.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-def _line(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> str:
-    rows = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    for labels, value in samples:
-        text = "NaN" if isinstance(value, float) and math.isnan(value) else repr(float(value))
-        rows.append(f"{name}{labels} {text}")
-    return "\n".join(rows)
+class ServerMetrics:
+    """The histograms (thread-safe; the engine thread observes them) and the scrape of everything else."""
+
+    def __init__(self, server_state, model_name: str, block_size: int, max_running: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"labelnames": ("model_name",), "registry": self.registry}
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, **labels).labels(model_name)
+
+        self.ttft = histogram("dscale_time_to_first_token_seconds",
+                              "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
+        self.tpot = histogram("dscale_time_per_output_token_seconds",
+                              "Per request: (finish - first token) / (generated tokens - 1).", TPOT_BUCKETS)
+        self.e2e = histogram("dscale_e2e_request_latency_seconds",
+                             "Time from a request's arrival to its last token.", E2E_BUCKETS)
+        self.accept_length = histogram(
+            "dscale_spec_accept_length_per_step",
+            "Tokens one request gained in one decode step (accepted drafts + 1).",
+            tuple(float(k) for k in range(1, block_size + 1)))
+        row_buckets, rows = [], 1
+        while rows < block_size * max_running:
+            row_buckets.append(float(rows))
+            rows *= 2
+        self.verify_rows = histogram("dscale_verify_rows_per_step",
+                                     "Target verification rows of one decode step (M).",
+                                     (*row_buckets, float(block_size * max_running)))
+        self.step_seconds = histogram("dscale_step_seconds", "Wall time of engine steps that decoded.", STEP_BUCKETS)
+        self.registry.register(_ScrapeCollector(server_state, model_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
-def render(worker, model: str, requests_received: int, http_errors: dict[int, int], num_pending: int) -> str:
-    """One scrape; reads plain numbers the engine thread updates (no locking needed for a snapshot)."""
-    engine, stats = worker.engine, worker.stats
-    c = engine.counters
-    label = f'{{model="{model}"}}'
-    mean_accept = 1.0 + c.accepted_drafts / c.request_steps if c.request_steps else float("nan")
-    retention = c.retained_drafts / c.full_width_drafts if c.full_width_drafts else float("nan")
-    rows_per_step = c.verify_rows / c.steps if c.steps else float("nan")
-    mean_step = stats.step_seconds / stats.steps if stats.steps else float("nan")
-    pages = engine.allocator.num_pages - 1
-    blocks = [
-        _line("dscale_requests_received_total", "counter", "Requests that reached the engine queue or were refused.",
-              [(label, requests_received)]),
-        _line("dscale_requests_finished_total", "counter", "Requests finished, by reason.",
-              [(f'{{model="{model}",finish_reason="{r}"}}', n) for r, n in sorted(stats.finished.items())]),
-        _line("dscale_http_errors_total", "counter", "Error answers, by HTTP status.",
-              [(f'{{model="{model}",status="{s}"}}', n) for s, n in sorted(http_errors.items())]),
-        _line("dscale_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
-              [(label, stats.prompt_tokens)]),
-        _line("dscale_generation_tokens_total", "counter", "Tokens generated.", [(label, c.generated_tokens)]),
-        _line("dscale_requests_running", "gauge", "Requests in the running batch.", [(label, engine.num_running)]),
-        _line("dscale_requests_waiting", "gauge", "Requests in the engine queue (new or preempted).",
-              [(label, engine.num_waiting)]),
-        _line("dscale_requests_pending", "gauge", "Requests the server holds (queued, running or streaming).",
-              [(label, num_pending)]),
-        _line("dscale_decode_steps_total", "counter", "Decode steps of the engine.", [(label, c.steps)]),
-        _line("dscale_request_steps_total", "counter", "Sum over decode steps of the requests decoded.",
-              [(label, c.request_steps)]),
-        _line("dscale_accepted_drafts_total", "counter", "Draft tokens accepted by verification.",
-              [(label, c.accepted_drafts)]),
-        _line("dscale_verify_rows_total", "counter", "Target verification rows (M summed over steps).",
-              [(label, c.verify_rows)]),
-        _line("dscale_mean_acceptance_length", "gauge",
-              "Tokens gained per request per decode step since start (accepted drafts + 1).", [(label, mean_accept)]),
-        _line("dscale_retention", "gauge", "Drafts full-width verification accepts that DScale's prefixes keep "
-              "(NaN unless --measure-retention).", [(label, retention)]),
-        _line("dscale_verify_rows_per_step", "gauge", "Mean verification rows per decode step since start.",
-              [(label, rows_per_step)]),
-        _line("dscale_step_seconds", "summary", "Wall time of engine steps that decoded.",
-              [(f"_sum{label}", stats.step_seconds), (f"_count{label}", stats.steps)]),
-        _line("dscale_step_seconds_mean", "gauge", "Mean wall time of a decode step since start.",
-              [(label, mean_step)]),
-        _line("dscale_last_step_seconds", "gauge", "Wall time of the latest decode step.",
-              [(label, stats.last_step_seconds)]),
-        _line("dscale_kv_cache_usage", "gauge", "Share of KV-cache pages in use.",
-              [(label, (pages - engine.allocator.num_free) / pages if pages else 0.0)]),
-    ]
-    return "\n".join(blocks) + "\n"
+class _ScrapeCollector:
+    """Counters and gauges read from the engine and the server state at each scrape."""
+
+    def __init__(self, state, model_name: str) -> None:
+        self.state = state
+        self.model = model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        state, model = self.state, self.model
+        engine, stats = state.engine, state.worker.stats
+        c = engine.counters
+
+        def counter(name: str, doc: str, value: float):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        def gauge(name: str, doc: str, value: float):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            return family
+
+        yield counter("dscale_requests_received", "Requests that reached the server queue or were refused there.",
+                      state.requests_received)
+        success = CounterMetricFamily("dscale_request_success", "Requests finished, by reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason, n in sorted(stats.finished.items()):
+            success.add_metric([model, reason], n)
+        yield success
+        errors = CounterMetricFamily("dscale_http_errors", "Error answers, by HTTP status.",
+                                     labels=["model_name", "status"])
+        for status, n in sorted(state.http_errors.items()):
+            errors.add_metric([model, str(status)], n)
+        yield errors
+        yield counter("dscale_prompt_tokens", "Prompt tokens of admitted requests.", stats.prompt_tokens)
+        yield counter("dscale_generation_tokens", "Tokens generated.", c.generated_tokens)
+        yield counter("dscale_decode_steps", "Decode steps of the engine.", c.steps)
+        yield counter("dscale_request_steps", "Sum over decode steps of the requests decoded.", c.request_steps)
+        yield counter("dscale_accepted_drafts", "Draft tokens accepted by verification.", c.accepted_drafts)
+        yield counter("dscale_verify_rows", "Target verification rows (M summed over steps).", c.verify_rows)
+        yield counter("dscale_engine_step_failures", "Engine steps that raised (their requests got a 500).",
+                      stats.step_failures)
+        yield gauge("dscale_num_requests_running", "Requests in the running batch.", engine.num_running)
+        yield gauge("dscale_num_requests_waiting", "Requests in the engine queue (new or preempted).",
+                    engine.num_waiting)
+        yield gauge("dscale_num_requests_pending", "Requests the server holds (tokenizing, queued, running or "
+                    "streaming).", state.num_pending)
+        pages = engine.allocator.num_pages - 1
+        yield gauge("dscale_kv_cache_usage_perc", "Share of KV-cache pages in use (0-1).",
+                    (pages - engine.allocator.num_free) / pages if pages else 0.0)
+        yield gauge("dscale_spec_accept_length", "Tokens gained per request per decode step since start "
+                    "(accepted drafts + 1; NaN before the first step).",
+                    1.0 + c.accepted_drafts / c.request_steps if c.request_steps else float("nan"))
+        yield gauge("dscale_retention", "Drafts full-width verification accepts that DScale's prefixes keep "
+                    "(NaN unless --measure-retention).",
+                    c.retained_drafts / c.full_width_drafts if c.full_width_drafts else float("nan"))

@@ -1,10 +1,14 @@
 """The engine thread: the only thread that touches the `Engine` (it is synchronous and not thread-safe).
 
 HTTP handlers run on the asyncio loop and talk to it through two channels:
-- in: a thread-safe inbox of `Submission`s and aborts, drained between engine steps, so new requests join
-  the running batch at the next step (continuous batching);
+- in: a thread-safe inbox of `Submission`s (already tokenized and checked) and aborts, drained between engine
+  steps, so new requests join the running batch at the next step (continuous batching);
 - out: per-request `asyncio.Queue`s fed with `loop.call_soon_threadsafe`: `Admitted` (or `Rejected`), then
   `Delta`s for streaming requests, then `Finished` (or `Rejected` when a step fails, `Aborted` after an abort).
+
+The thread never dies of an exception: a failing admission or detokenisation fails that request alone; a
+failing `engine.step()` fails the requests of that step (the batch state is the engine's to repair) and the
+thread goes on serving. Error answers carry the request id; the traceback goes to the log with it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from dscale_runtime.config import RequestOutput, SamplingParams
@@ -47,6 +51,8 @@ class Finished:
     output: RequestOutput
     text: str
     """Streaming: the text not sent yet; otherwise the whole answer."""
+    e2e_latency: float
+    """Seconds from the request's arrival to its last token."""
 
 
 @dataclass
@@ -57,18 +63,24 @@ class Aborted:
 TERMINAL = (Finished, Rejected, Aborted)
 
 
+def internal_error(request_id: str, what: str) -> Rejected:
+    """A 500 that names the request id (the log has the details), never the exception text."""
+    return Rejected(500, f"internal error {what} (request id {request_id}; the server log has the details)")
+
+
 @dataclass
 class Submission:
     request_id: str
-    prompt: str | list[int]
+    prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int | None
-    """None: as many as the context leaves (`max_model_len` - prompt tokens)."""
+    """With the final max_tokens (the handler checked it against the context)."""
     stream: bool
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     on_done: Callable[[], None] | None = None
     """Called on the loop thread when the last event (Finished, Rejected or Aborted) arrives."""
+    arrival: float = field(default_factory=time.perf_counter)
+    """perf_counter() when the HTTP request arrived (TTFT and E2E latency count from here)."""
 
     def send(self, event) -> None:
         """From the engine thread: hand `event` to the loop thread."""
@@ -87,22 +99,23 @@ class Submission:
 class _Live:
     submission: Submission
     detokenizer: IncrementalDetokenizer | None
+    first_token_at: float | None = None
 
 
 @dataclass
 class WorkerStats:
-    """What the engine thread measured (read by /metrics from the loop thread; plain numbers)."""
+    """What the engine thread counted (read by /metrics from the loop thread; plain numbers)."""
 
     prompt_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
-    steps: int = 0
-    step_seconds: float = 0.0
-    last_step_seconds: float = 0.0
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
+    step_failures: int = 0
 
 
 class EngineWorker:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, metrics=None) -> None:
         self.engine = engine
+        self.metrics = metrics
+        """`ServerMetrics` whose histograms this thread observes (None: no histograms)."""
         self.stats = WorkerStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
@@ -131,11 +144,15 @@ class EngineWorker:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._drain(block=not self.engine.has_unfinished())
-            if self._stopping.is_set():
-                break
-            if self.engine.has_unfinished():
-                self._step()
+            try:
+                self._drain(block=not self.engine.has_unfinished())
+                if self._stopping.is_set():
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+            except Exception:  # NOTE: a bug of this loop's own; the thread must outlive it
+                log.exception("engine thread: unexpected error (live requests: %s)", sorted(self._live))
+                time.sleep(0.05)
         for request_id in list(self._live):
             self._abort(request_id)
         while True:  # requests that arrived during shutdown
@@ -159,80 +176,107 @@ class EngineWorker:
             pass
 
     def _admit(self, sub: Submission) -> None:
-        engine = self.engine
-        limit = engine.config.max_model_len
         try:
-            if isinstance(sub.prompt, str):
-                token_ids = list(engine.tokenizer.encode(sub.prompt, add_special_tokens=False))
-            else:
-                token_ids = list(sub.prompt)
-            if not token_ids:
-                return sub.send(Rejected(400, "the prompt is empty: send at least one token", "prompt"))
-            if len(token_ids) >= limit:
-                return sub.send(Rejected(
-                    400, f"the prompt has {len(token_ids)} tokens; this server's context limit is {limit} tokens "
-                    f"(prompt + output, dscale-serve --max-model-len), so the prompt must be shorter than {limit}",
-                    "prompt"))
-            max_tokens = sub.max_tokens if sub.max_tokens is not None else limit - len(token_ids)
-            if len(token_ids) + max_tokens > limit:
-                return sub.send(Rejected(
-                    400, f"the prompt has {len(token_ids)} tokens and max_tokens is {max_tokens}: together they "
-                    f"exceed this server's context limit of {limit} tokens; lower max_tokens to at most "
-                    f"{limit - len(token_ids)}", "max_tokens"))
-            params = replace(sub.params, max_tokens=max_tokens)
-            engine.add_request(token_ids, params, sub.request_id)
-        except ValueError as exc:
+            self.engine.add_request(sub.prompt_token_ids, sub.params, sub.request_id)
+            detok = IncrementalDetokenizer(self.engine.tokenizer, sub.params.stop) if sub.stream else None
+        except ValueError as exc:  # the engine's checks name what is wrong with the request
             return sub.send(Rejected(400, str(exc)))
-        except Exception as exc:  # one bad request must not stop the engine thread
-            log.exception("admitting request %s failed", sub.request_id)
-            return sub.send(Rejected(500, f"internal error while admitting the request: {exc}"))
-        self.stats.prompt_tokens += len(token_ids)
-        detok = IncrementalDetokenizer(engine.tokenizer, params.stop) if sub.stream else None
+        except Exception:
+            log.exception("request %s: admission failed", sub.request_id)
+            self._drop(sub.request_id)
+            return sub.send(internal_error(sub.request_id, "while admitting the request"))
+        self.stats.prompt_tokens += len(sub.prompt_token_ids)
         self._live[sub.request_id] = _Live(sub, detok)
-        sub.send(Admitted(len(token_ids)))
+        sub.send(Admitted(len(sub.prompt_token_ids)))
 
     def _abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
         if live is not None:
-            self.engine.abort(request_id)
+            self._drop(request_id)
             self.stats.finished["abort"] += 1
             live.submission.send(Aborted())
+
+    def _drop(self, request_id: str) -> None:
+        """Remove a request from the engine, whatever state it is in."""
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            log.exception("request %s: engine.abort failed", request_id)
+
+    def _fail(self, request_id: str, what: str) -> None:
+        """Fail one live request with a 500 (the caller logged why)."""
+        live = self._live.pop(request_id, None)
+        self._drop(request_id)
+        self.stats.finished["error"] += 1
+        if live is not None:
+            live.submission.send(internal_error(request_id, what))
 
     def _step(self) -> None:
         start = time.perf_counter()
         steps_before = self.engine.counters.steps
         try:
             outputs = self.engine.step()
-        except Exception as exc:
-            # NOTE: a failed step leaves the batch in an unknown state: fail every live request, keep serving.
-            log.exception("engine step failed")
-            for request_id, live in list(self._live.items()):
-                self.engine.abort(request_id)
-                live.submission.send(Rejected(500, f"internal error in the engine step: {exc}"))
-            self._live.clear()
+        except Exception:
+            # NOTE: a failed step leaves its batch in a state only the engine knows: its requests fail (each
+            # client gets a 500 naming its request id), the thread goes on with the next step.
+            self.stats.step_failures += 1
+            ids = sorted(self._live)
+            log.exception("engine step failed; failing its requests %s", ids)
+            for request_id in ids:
+                self._fail(request_id, "in the engine step")
             return
-        elapsed = time.perf_counter() - start
+        now = time.perf_counter()
         if self.engine.counters.steps > steps_before:
-            self.stats.steps += 1
-            self.stats.step_seconds += elapsed
-            self.stats.last_step_seconds = elapsed
-        finished_ids = set()
+            self._observe_step(now - start)
         for out in outputs:
-            finished_ids.add(out.request_id)
             live = self._live.pop(out.request_id, None)
-            if live is None:
-                continue
-            self.stats.finished[out.finish_reason] = self.stats.finished.get(out.finish_reason, 0) + 1
+            if live is not None:
+                self._finish(live, out, now)
+        for request_id, live in list(self._live.items()):
+            try:
+                self._progress(request_id, live, now)
+            except Exception:
+                log.exception("request %s: streaming its tokens failed", request_id)
+                self._fail(request_id, "while streaming the answer")
+
+    def _observe_step(self, seconds: float) -> None:
+        if self.metrics is None or self.engine.last_step is None:
+            return
+        step = self.engine.last_step
+        self.metrics.step_seconds.observe(seconds)
+        self.metrics.verify_rows.observe(step.num_verify_rows)
+        for accepted in step.accepted_lens:
+            self.metrics.accept_length.observe(accepted + 1)
+
+    def _progress(self, request_id: str, live: _Live, now: float) -> None:
+        detok = live.detokenizer
+        if detok is None:
+            if live.first_token_at is None and self.engine.generated_token_ids(request_id):
+                live.first_token_at = now
+            return
+        new = self.engine.generated_token_ids(request_id, len(detok.token_ids))
+        if new:
+            if live.first_token_at is None:
+                live.first_token_at = now
+            live.submission.send(Delta(detok.add(new), len(detok.token_ids)))
+
+    def _finish(self, live: _Live, out: RequestOutput, now: float) -> None:
+        sub = live.submission
+        try:
             text = out.text or ""
             if live.detokenizer is not None:
                 live.detokenizer.token_ids.extend(out.token_ids[len(live.detokenizer.token_ids):])
                 text = live.detokenizer.finish(text)
-            live.submission.send(Finished(out, text))
-        for request_id, live in self._live.items():
-            detok = live.detokenizer
-            if detok is None:
-                continue
-            new = self.engine.generated_token_ids(request_id, len(detok.token_ids))
-            if new:
-                live.submission.send(Delta(detok.add(new), len(detok.token_ids)))
-
+        except Exception:
+            log.exception("request %s: detokenizing the answer failed", sub.request_id)
+            self.stats.finished["error"] += 1
+            return sub.send(internal_error(sub.request_id, "while detokenizing the answer"))
+        self.stats.finished[out.finish_reason] = self.stats.finished.get(out.finish_reason, 0) + 1
+        e2e = now - sub.arrival
+        if self.metrics is not None and out.token_ids:
+            first = live.first_token_at if live.first_token_at is not None else now
+            self.metrics.ttft.observe(first - sub.arrival)
+            self.metrics.e2e.observe(e2e)
+            if len(out.token_ids) > 1:
+                self.metrics.tpot.observe((now - first) / (len(out.token_ids) - 1))
+        sub.send(Finished(out, text, e2e))

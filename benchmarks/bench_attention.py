@@ -12,7 +12,7 @@ N requests verify `rows` slots each (16: DFlash's full width; 8: DScale's 8N bud
   = keys per step), for tuning.
 The K/V read floor is the layer's K/V bytes at 4.25 TB/s (the copy rate measured on the H200, DESIGN 5).
 
-    python -m dscale_runtime.kernels.bench_attention --output runs/attention_bench.json
+    python benchmarks/bench_attention.py --output runs/attention_bench.json
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     from jsonargparse import ArgumentParser
 
-    parser = ArgumentParser(prog="python -m dscale_runtime.kernels.bench_attention", description=__doc__)
+    parser = ArgumentParser(prog="python benchmarks/bench_attention.py", description=__doc__)
     parser.add_class_arguments(AttentionBenchConfig)
     cfg = AttentionBenchConfig(**vars(parser.parse_args(argv)))
     result = bench_verify_attention(cfg)

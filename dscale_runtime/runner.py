@@ -1,0 +1,372 @@
+"""The step runner: the device work of every decode step, in every mode, on fixed per-bucket buffers.
+
+One runner serves target-only decoding (W = 1), DFlash (W = 16, full width) and DScale (the packed budget),
+greedy and sampled requests mixed in one batch, traced (features for step observers, full-width retention) or
+not. A batch of n live requests runs in the smallest bucket B >= n; the B - n padding requests have no pages of
+their own (every table entry is the scratch page), k = 0 in DScale and scratch-page rows otherwise, and their
+results are never read. Each bucket owns one `StepBuffers` (inputs at fixed addresses, filled from one host
+staging copy per step); each (bucket, `StepKind`) owns one `BucketStep`, a pure tensor function of those
+buffers:
+
+    draft   drafter over B x W block rows -> draft tokens (argmax, or drawn from q for sampled-draft rows)
+    decide  features -> predictor -> Algorithm 1 -> flat-pack (DScale), or the full-width layout
+    verify  target over the M rows -> target tokens (argmax or keyed draws) -> acceptance (per-row rule)
+            -> drafter-cache injection of the accepted rows -> one int64 result row per request
+
+On CUDA each step is captured once as a CUDA graph (all graphs share one memory pool, captured largest bucket
+first) and replayed; elsewhere the same function runs eagerly. The host reads one result tensor per step.
+
+Rules per request (the `rule` buffer): 0 greedy (argmax drafts and targets), 1 top-1 drafts with sampled target
+tokens (the paper's rule, a coupling: tokens equal target-only sampling), 2 sampled drafts (min(1, p/q)); see
+`verify.py`. Random draws are keyed by (request seed, token position, purpose) (`sampling.py`), never by batch
+slot, so they survive graphs, padding and batch composition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dscale_runtime.attention import AttentionMetadata
+from dscale_runtime.dvl.allocate import allocate, budget_rows
+from dscale_runtime.dvl.features import acceptance_features
+from dscale_runtime.dvl.pack import flat_pack, packed_metadata
+from dscale_runtime.dvl.predictor import seed_lengths
+from dscale_runtime.graphs import GraphedCall
+from dscale_runtime.kv_cache import SCRATCH_PAGE
+from dscale_runtime.sampling import COIN, DRAFT, RESIDUAL, SamplingRows, policy_probs, sample_inverse_cdf, target_tokens
+from dscale_runtime.verify import accept_greedy, accept_sampled_drafts
+
+RULE_GREEDY, RULE_TOP1, RULE_SAMPLED = 0, 1, 2
+MODES = ("target", "dflash", "dscale")
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 (SGLang's pattern), capped by and ending at `max_batch`: padding
+    costs at most 8 requests' rows above N = 8 instead of up to half the rows with powers of two."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sorted(set(sizes)) + [max_batch]
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """What one captured step computes (part of its key; chosen per step on the host)."""
+
+    mode: str  # 'target' (W = 1), 'dflash' (full width) or 'dscale' (decision + packed budget)
+    sampled: bool = False  # some row samples (policy probabilities and keyed draws are computed)
+    filtered: bool = False  # some sampled row uses top-k or top-p (the policy sorts the vocabulary)
+    draft_sampling: bool = False  # some row uses the sampled-drafts rule (q is computed and drawn from)
+    features: bool = False  # return the acceptance features (step observers, DScale's are free)
+    retention: bool = False  # DScale: a full-width pass first, for the accepted count it would have had
+
+
+# Layout of the integer buffer: per-request fields, then the block tables, then the budget M_live.
+INT_FIELDS = ("anchor", "ctx", "live", "seed_lo", "seed_hi", "top_k", "rule")
+FLOAT_FIELDS = ("temperature", "top_p")
+
+
+class StepBuffers:
+    """Fixed-address inputs of a bucket of `size` requests, filled from host staging by one copy per dtype.
+
+    Device views (each contiguous): anchor / ctx / live / seed_lo / seed_hi / top_k / rule [B] int64,
+    block_tables [B, max_pages] int64, budget [] int64, temperature / top_p [B] float32, context [B, C]."""
+
+    def __init__(self, size: int, max_pages: int, num_context: int, page_size: int, device: torch.device) -> None:
+        self.size, self.max_pages, self.page_size, self.max_kv = size, max_pages, page_size, max_pages * page_size
+        self.num_context = num_context
+        b, n_int = size, size * (len(INT_FIELDS) + max_pages) + 1
+        n_float = size * (len(FLOAT_FIELDS) + num_context)
+        on_cpu = device.type == "cpu"
+        self.host_int = torch.zeros(n_int, dtype=torch.long, pin_memory=not on_cpu)
+        self.host_float = torch.zeros(n_float, dtype=torch.float32, pin_memory=not on_cpu)
+        self.dev_int = self.host_int if on_cpu else torch.zeros(n_int, dtype=torch.long, device=device)
+        self.dev_float = self.host_float if on_cpu else torch.zeros(n_float, dtype=torch.float32, device=device)
+        self.np_int, self.np_float = self.host_int.numpy(), self.host_float.numpy()
+        for i, name in enumerate(INT_FIELDS):
+            setattr(self, name, self.dev_int[i * b : (i + 1) * b])
+        start = len(INT_FIELDS) * b
+        self.block_tables = self.dev_int[start : start + b * max_pages].view(b, max_pages)
+        self.budget = self.dev_int[-1]
+        for i, name in enumerate(FLOAT_FIELDS):
+            setattr(self, name, self.dev_float[i * b : (i + 1) * b])
+        start = len(FLOAT_FIELDS) * b
+        self.context = self.dev_float[start:].view(b, num_context)
+        self._np_tables = self.np_int[len(INT_FIELDS) * b : len(INT_FIELDS) * b + b * max_pages].reshape(b, max_pages)
+        self._np_context = self.np_float[len(FLOAT_FIELDS) * b :].reshape(b, num_context)
+
+    def fill(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
+             budget: int, context: np.ndarray | None) -> None:
+        """Stage one step's inputs on the host and copy them to the device (non-blocking from pinned memory).
+
+        sampling[i] = (seed_lo, seed_hi, top_k, rule, temperature, top_p) of request i; padding rows get zeros
+        (temperature 1, top_p 1) and scratch-page tables."""
+        n, b = len(anchors), self.size
+        ints, floats = self.np_int, self.np_float
+        ints[: len(INT_FIELDS) * b + b * self.max_pages].fill(0)  # NOTE: SCRATCH_PAGE == 0: padding on scratch
+        assert SCRATCH_PAGE == 0
+        ints[0:n] = anchors
+        ints[b : b + n] = ctx
+        ints[2 * b : 2 * b + n] = 1
+        if n:
+            cols = np.asarray(sampling, dtype=np.float64)  # [n, 6]
+            for i in range(4):
+                ints[(3 + i) * b : (3 + i) * b + n] = cols[:, i]
+            floats[0:b].fill(1.0)
+            floats[b : 2 * b].fill(1.0)
+            floats[0:n] = cols[:, 4]
+            floats[b : b + n] = cols[:, 5]
+        for i, table in enumerate(pages):
+            self._np_tables[i, : len(table)] = table
+        ints[-1] = budget
+        self._np_context.fill(0.0)
+        if context is not None:
+            self._np_context[:n] = context
+        if self.dev_int is not self.host_int:
+            self.dev_int.copy_(self.host_int, non_blocking=True)
+            self.dev_float.copy_(self.host_float, non_blocking=True)
+
+    def sampling_rows(self) -> SamplingRows:
+        return SamplingRows(self.rule == RULE_GREEDY, self.temperature, self.top_k, self.top_p, self.seed_lo,
+                            self.seed_hi)
+
+
+def block_metadata(buf: StepBuffers, width: int, causal: bool) -> AttentionMetadata:
+    """`width` rows per request right after its context, computed on the device from the buffers (DFlash's
+    verification rows or target-only rows when causal, the drafter's block rows when not)."""
+    n, device = buf.size, buf.ctx.device
+    rows = torch.arange(n * width, device=device)
+    row_req, row_local = rows // width, rows % width
+    positions = buf.ctx[row_req] + row_local
+    pages = buf.block_tables[row_req, positions // buf.page_size]
+    return AttentionMetadata(
+        row_req=row_req, row_local=row_local, positions=positions,
+        slot_mapping=pages * buf.page_size + positions % buf.page_size, kv_lens=buf.ctx + width,
+        block_tables=buf.block_tables, max_q=width, max_kv=buf.max_kv, causal=causal,
+        query_starts=torch.arange(n, device=device) * width, query_lens=torch.full_like(buf.ctx, width))
+
+
+@dataclass
+class Decision:
+    """What the decide part hands to verification."""
+
+    verify_lens: torch.Tensor  # [B] k_i (0 for padding in DScale)
+    verify_offsets: torch.Tensor  # [B]
+    token_ids: torch.Tensor  # [M] anchor or draft of every verification row
+    meta: AttentionMetadata  # causal metadata over the M rows
+    features: torch.Tensor | None  # [B, spec.width] float32, when computed
+
+
+class BucketStep:
+    """One decode step of a bucket for one `StepKind`: `draft` -> `decide` -> `verify`, a pure function of
+    the bucket's buffers (see the module docstring); `__call__` runs it (a graph replay once `build` captured
+    it) and returns the result [B, 4 + W] int64: accepted, successor, k, full-width accepted (-1 when not
+    measured), then the W block tokens (anchor and drafts)."""
+
+    def __init__(self, runner: "StepRunner", buffers: StepBuffers, kind: StepKind) -> None:
+        self.runner, self.buf, self.kind = runner, buffers, kind
+        self.width = 1 if kind.mode == "target" else runner.block_size
+        b = buffers.size
+        self.num_rows = budget_rows(b, self.width, runner.budget_ratio) if kind.mode == "dscale" else self.width * b
+        self.call: GraphedCall | None = None
+        self.features: torch.Tensor | None = None
+
+    # ---- the three parts
+    def draft(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """-> block tokens [B, W] (slot 0 = anchor), draft logits [B, W-1, V] (drafter dtype), drafter hidden
+        states [B, W-1, d], the drafter's policy q [B, W-1, V] fp32 (sampled-draft steps only)."""
+        r, buf, kind = self.runner, self.buf, self.kind
+        if kind.mode == "target":
+            return buf.anchor.view(-1, 1), None, None, None
+        b, w = buf.size, self.width
+        block = torch.full((b, w), r.drafter.config.mask_token_id, dtype=torch.long, device=buf.ctx.device)
+        block[:, 0] = buf.anchor
+        meta = block_metadata(buf, w, causal=False)
+        # NOTE: drafts, features and greedy acceptance read the model's dtype directly (an exact upcast away).
+        logits, hidden = r.drafter.propose(block, r.target, meta, r.drafter_caches, float_logits=False)
+        q = None
+        if kind.draft_sampling:
+            rows = buf.sampling_rows()
+            vocab = logits.shape[-1]
+            q = policy_probs(logits.reshape(b * (w - 1), vocab), rows.rows(torch.arange(b, device=block.device)
+                                                                           .repeat_interleave(w - 1)), kind.filtered)
+            positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)  # [B, W-1] the drafts' indices
+            drawn = sample_inverse_cdf(q, rows.uniforms(positions, DRAFT).reshape(-1)).view(b, w - 1)
+            q = q.view(b, w - 1, vocab)
+            block[:, 1:] = torch.where((buf.rule == RULE_SAMPLED)[:, None], drawn, block[:, 1:])
+        return block, logits, hidden, q
+
+    def decide(self, block: torch.Tensor, logits: torch.Tensor | None, hidden: torch.Tensor | None) -> Decision:
+        """DVL decision without host reads (DScale) or the full-width layout; features when asked for."""
+        r, buf, kind = self.runner, self.buf, self.kind
+        b, w = buf.size, self.width
+        features = None
+        if kind.mode == "dscale" or kind.features:
+            features = acceptance_features(r.feature_spec, logits, hidden, r.projection, buf.context, r.features_backend)
+        if kind.mode != "dscale":
+            return Decision(torch.full_like(buf.ctx, w), torch.arange(b, device=block.device) * w, block.reshape(-1),
+                            block_metadata(buf, w, causal=True), features)
+        scores = r.predictor.scores(features)  # [B, W-1]
+        lens = allocate(scores, seed_lengths(scores, w), buf.live > 0, buf.budget)
+        packed = flat_pack(lens, block, buf.ctx, buf.block_tables, self.num_rows, buf.page_size)
+        # NOTE: max_q = W bounds the live requests; placeholders (num_rows > M_live) share local slots up to W - 1
+        # (flat_pack), and the Triton kernels skip pseudo-request rows past W: their outputs are never read.
+        meta = packed_metadata(packed, buf.ctx, buf.block_tables, buf.max_kv, w)
+        live_rows = lens.sum().view(1)
+        meta.query_lens = torch.cat([lens, self.num_rows - live_rows])
+        meta.query_starts = torch.cat([packed.verify_offsets, live_rows])
+        return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features)
+
+    def _accept(self, logits: torch.Tensor, meta: AttentionMetadata, block: torch.Tensor, q: torch.Tensor | None,
+                lens: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accepted drafts [B] and successors [B] of one verification forward, each request by its rule."""
+        buf, kind = self.buf, self.kind
+        b = buf.size
+        rows = buf.sampling_rows()
+        row_rows = rows.rows(meta.row_req.clamp(max=b - 1))
+        # Row at position p predicts the token at index p + 1: that index keys its draw.
+        tokens, probs = target_tokens(logits, row_rows, meta.positions + 1, kind.filtered, kind.sampled)
+        accepted, successor = accept_greedy(tokens, block, lens, offsets)
+        if kind.draft_sampling:
+            w = block.shape[1]
+            positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)
+            s_acc, s_succ = accept_sampled_drafts(probs, q, block, tokens, lens, offsets, rows.uniforms(positions, COIN),
+                                                  rows.uniforms(buf.ctx + 1, RESIDUAL))
+            use = buf.rule == RULE_SAMPLED
+            accepted, successor = torch.where(use, s_acc, accepted), torch.where(use, s_succ, successor)
+        return accepted, successor
+
+    def verify(self, block: torch.Tensor, q: torch.Tensor | None, decision: Decision) -> torch.Tensor:
+        """Target forward over the M rows, acceptance, drafter-cache injection -> the result [B, 4 + W]."""
+        r, buf, kind = self.runner, self.buf, self.kind
+        b, w = buf.size, self.width
+        full_accepted = torch.full_like(buf.ctx, -1)
+        if kind.retention:
+            # Full-width verification first, only to measure what DVL keeps: the same draws decide it, and the
+            # packed pass below rewrites the K/V it shares with it.
+            meta = block_metadata(buf, w, causal=True)
+            logits, _ = r.target(block.reshape(-1), meta, r.target_caches, None, (), float_logits=False)
+            full_accepted = self._accept(logits, meta, block, q, torch.full_like(buf.ctx, w),
+                                         torch.arange(b, device=block.device) * w)[0]
+        meta, lens, offsets = decision.meta, decision.verify_lens, decision.verify_offsets
+        capture = r.capture_layers if kind.mode != "target" else ()
+        logits, features = r.target(decision.token_ids, meta, r.target_caches, None, capture, float_logits=False)
+        accepted, successor = self._accept(logits, meta, block, q, lens, offsets)
+        if features is not None:
+            req = meta.row_req.clamp(max=b - 1)
+            keep = (meta.row_req < b) & (meta.row_local <= accepted[req]) & (buf.live[req] > 0)
+            scratch = torch.full_like(meta.slot_mapping, SCRATCH_PAGE * buf.page_size)
+            r.drafter.inject_context(features, meta.positions, torch.where(keep, meta.slot_mapping, scratch),
+                                     r.drafter_caches)
+        return torch.cat([torch.stack([accepted, successor, lens, full_accepted], dim=1), block], dim=1)
+
+    # ---- running
+    def step(self) -> torch.Tensor:
+        block, logits, hidden, q = self.draft()
+        decision = self.decide(block, logits, hidden)
+        result = self.verify(block, q, decision)
+        self.features = decision.features if self.kind.features else None
+        return result
+
+    def build(self, use_graph: bool, pool=None) -> "BucketStep":
+        """Capture the step (on CUDA) or prepare eager runs; capture runs on whatever the buffers hold (padding
+        only at start-up: every row on the scratch page)."""
+        self.call = GraphedCall(self.step, use_graph, pool=pool)
+        return self
+
+    def __call__(self) -> torch.Tensor:
+        return self.call()
+
+
+@dataclass
+class StepResult:
+    """One step's results on the host (live requests only)."""
+
+    accepted: list[int]
+    successors: list[int]
+    verify_lens: list[int]
+    full_accepted: list[int] | None
+    drafts: list[list[int]]  # [n][W] anchor + drafts of each request
+    num_rows: int  # M_live
+    features: torch.Tensor | None  # [n, spec.width] float32 on the CPU (traced steps)
+
+
+class StepRunner:
+    """Owns every decode step of one engine: buckets, their buffers and steps, capture, replay, host reads."""
+
+    def __init__(self, target, drafter, target_caches, drafter_caches, *, mode: str, block_size: int,
+                 max_batch: int, max_pages: int, page_size: int, budget_ratio: float, full_width_max_batch: int,
+                 feature_spec, predictor=None, projection=None, buckets: list[int] | None = None,
+                 use_graphs: bool = False, device: torch.device | str = "cpu") -> None:
+        assert mode in MODES
+        self.target, self.drafter = target, drafter
+        self.target_caches, self.drafter_caches = target_caches, drafter_caches
+        self.mode, self.block_size = mode, (1 if mode == "target" else block_size)
+        self.budget_ratio, self.full_width_max_batch = budget_ratio, full_width_max_batch
+        self.feature_spec, self.predictor, self.projection = feature_spec, predictor, projection
+        self.capture_layers = tuple(drafter.config.target_layer_ids) if drafter is not None and mode != "target" else ()
+        # NOTE: the confidence-feature path was chosen once with the drafter's kernels (its logits' device/dtype)
+        self.features_backend = drafter.kernels.features if drafter is not None else "ref"
+        self.device = torch.device(device)
+        self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)
+        if self.buckets[-1] < max_batch or self.buckets[0] < 1:
+            raise ValueError(f"graph buckets {self.buckets} must be >= 1 and reach max_running_requests={max_batch}")
+        self.max_pages, self.page_size = max_pages, page_size
+        self.use_graphs = use_graphs
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.buffers: dict[int, StepBuffers] = {}
+        self.steps: dict[tuple[int, StepKind], BucketStep] = {}
+        self.last_key: tuple[int, StepKind] | None = None  # the (bucket, kind) of the latest step
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def mode_for(self, n: int) -> str:
+        """The step a batch of n live requests runs: DScale's decision, or full width (DFlash, and DScale at
+        or below `full_width_max_batch`), or the target alone."""
+        if self.mode == "dscale" and n <= self.full_width_max_batch:
+            return "dflash"
+        return self.mode
+
+    def _buffers(self, size: int) -> StepBuffers:
+        if size not in self.buffers:
+            self.buffers[size] = StepBuffers(size, self.max_pages, self.feature_spec.num_context, self.page_size,
+                                             self.device)
+        return self.buffers[size]
+
+    def get(self, size: int, kind: StepKind) -> BucketStep:
+        """The (built, on CUDA captured) step of a bucket and kind; built on first use."""
+        key = (size, kind)
+        if key not in self.steps:
+            if kind.mode == "dscale" and (self.predictor is None or self.projection is None):
+                raise RuntimeError("dscale steps need the predictor and its hidden projection")
+            self.steps[key] = BucketStep(self, self._buffers(size), kind).build(self.use_graphs, self.pool)
+        return self.steps[key]
+
+    def prepare(self, kinds: list[StepKind]) -> None:
+        """Build (capture, on CUDA) every step a batch can need for the given kinds (their `mode` is replaced by
+        each bucket's own), largest bucket first: one shared pool, sized by the largest graph, and no request
+        waits for a capture."""
+        for i in reversed(range(len(self.buckets))):
+            size, smallest = self.buckets[i], self.buckets[i - 1] + 1 if i else 1
+            for mode in sorted({self.mode_for(n) for n in range(smallest, size + 1)}):
+                for kind in kinds:
+                    self.get(size, dataclasses.replace(kind, mode=mode))
+
+    def run(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
+            kind: StepKind, context: np.ndarray | None = None) -> StepResult:
+        """One decode step of n live requests (`kind.mode` from `mode_for(n)`): fill, replay, read back."""
+        n = len(anchors)
+        size = self.bucket(n)
+        step = self.get(size, kind)
+        self.last_key = (size, kind)
+        rows = budget_rows(n, self.block_size, self.budget_ratio) if kind.mode == "dscale" else self.block_size * n
+        step.buf.fill(anchors, ctx, pages, sampling, rows, context)
+        result = step()
+        host = result[:n].tolist()  # NOTE: the one device-to-host read of the step
+        features = step.features[:n].float().cpu() if step.features is not None else None
+        return StepResult([h[0] for h in host], [h[1] for h in host], [h[2] for h in host],
+                          [h[3] for h in host] if kind.retention else None, [h[4:] for h in host], rows, features)
+

@@ -1,0 +1,228 @@
+"""Sampling inside the step runner (issue 15): keyed draws, the policy, and both acceptance rules end to end.
+
+Oracles: the exact probabilities of the target's sampled continuations (transformers' Qwen3 on the checkpoint,
+our policy on its logits) for a chi-square goodness-of-fit of every rule, mode and budget; target-only seeded
+sampling for the top-1 rule, whose seeded output must equal it token for token whatever the batch and budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare, kstest
+
+from checkpoints import write_drafter, write_target
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.engine import Engine
+from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1
+from dscale_runtime.sampling import SamplingRows, keyed_uniforms, policy_probs, sample_inverse_cdf, split_seed
+from test_engine import pair, prompt_set, small_vocab_pair  # noqa: F401 (fixtures)
+from test_engine_dscale import save_predictor
+
+
+# ---------------------------------------------------------------------------------------------- keyed draws
+def test_keyed_uniforms_are_uniform_independent_and_pure():
+    n = 200_000
+    pos = torch.arange(n)
+    lo, hi = torch.full((n,), 12345), torch.full((n,), 7)
+    u = keyed_uniforms(lo, hi, pos, 1)
+    assert u.dtype == torch.float64 and 0 <= u.min() and u.max() < 1
+    assert kstest(u.numpy(), "uniform").pvalue > 1e-3
+    assert torch.equal(u, keyed_uniforms(lo, hi, pos, 1))  # a pure function of the key
+    others = [keyed_uniforms(lo, hi, pos, 2), keyed_uniforms(lo + 1, hi, pos, 1), keyed_uniforms(lo, hi + 1, pos, 1)]
+    for v in others:  # another purpose or seed: another stream
+        assert abs(np.corrcoef(u.numpy(), v.numpy())[0, 1]) < 0.01
+        assert kstest(v.numpy(), "uniform").pvalue > 1e-3
+    # neighbouring positions are not correlated either
+    assert abs(np.corrcoef(u[:-1].numpy(), u[1:].numpy())[0, 1]) < 0.01
+
+
+def test_split_seed_covers_64_bits_and_names_the_range():
+    assert split_seed(0) == (0, 0) and split_seed(2**64 - 1) == (2**32 - 1, 2**32 - 1)
+    assert split_seed(2**32 + 5) == (5, 1)
+    with pytest.raises(ValueError, match=r"\[0, 2\^64\)"):
+        split_seed(2**64)
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token_and_follows_the_distribution():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.2, 0.0, 0.3, 0.5, 0.0]])
+    edge = torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)
+    for u in edge:
+        tokens = sample_inverse_cdf(probs, u.repeat(2))
+        assert (probs[torch.arange(2), tokens] > 0).all()
+    u = torch.rand(100_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tokens = sample_inverse_cdf(probs[1:].expand(100_000, -1), u)
+    counts = torch.bincount(tokens, minlength=5).double().numpy()
+    assert counts[1] == counts[4] == 0
+    assert chisquare(counts[[0, 2, 3]], np.array([0.2, 0.3, 0.5]) * 100_000).pvalue > 1e-3
+
+
+def test_policy_applies_temperature_top_k_and_top_p():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]])
+    rows = SamplingRows(torch.tensor([False, False]), torch.tensor([0.5, 1.0]), torch.tensor([2, -1]),
+                        torch.tensor([1.0, 0.7]), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    probs = policy_probs(logits, rows, filtered=True)
+    assert torch.allclose(probs[0], torch.softmax(torch.tensor([6.0, 4.0, -1e9, -1e9]), -1))
+    p = torch.softmax(logits[1], -1)  # 0.644, 0.237, ...: top_p 0.7 keeps the first two
+    assert torch.allclose(probs[1], torch.cat([p[:2] / p[:2].sum(), torch.zeros(2)]))
+    assert torch.allclose(policy_probs(logits, rows, filtered=False)[1], p)
+
+
+# ----------------------------------------------------------------------------- exact distribution, end to end
+PROMPT = [1, 2, 3, 4]
+NEW_TOKENS = 3
+
+
+def exact_sequence_probs(target_folder, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(x1, x2, x3 | PROMPT) under the target's policy: transformers' model on every prefix, our policy."""
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(target_folder, torch_dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    one = lambda v, dtype: torch.tensor([v], dtype=dtype)  # noqa: E731
+    rows = SamplingRows(torch.tensor([False]), one(params.temperature, torch.float32),
+                        one(params.top_k, torch.long), one(params.top_p, torch.float32),
+                        one(0, torch.long), one(0, torch.long))
+    probs = {(): 1.0}
+    for length in range(NEW_TOKENS):
+        prefixes = [p for p in probs if len(p) == length]
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
+        policy = policy_probs(logits, SamplingRows(*(t.expand(len(prefixes)) for t in (
+            rows.greedy, rows.temperature, rows.top_k, rows.top_p, rows.seed_lo, rows.seed_hi))), filtered=True)
+        for prefix, dist in zip(prefixes, policy.tolist()):
+            for token in range(vocab):
+                if dist[token] > 0:
+                    probs[prefix + (token,)] = probs[prefix] * dist[token]
+    return {k: v for k, v in probs.items() if len(k) == NEW_TOKENS}
+
+
+def goodness_of_fit(counts: collections.Counter, exact: dict) -> float:
+    assert all(seq in exact for seq in counts), "a sequence of probability 0 was produced"
+    total = sum(counts.values())
+    cells = sorted(exact, key=exact.get, reverse=True)
+    big = [c for c in cells if exact[c] * total >= 5]
+    rest = [c for c in cells if exact[c] * total < 5]
+    observed = [counts[c] for c in big] + [sum(counts[c] for c in rest)]
+    expected = [exact[c] * total for c in big] + [sum(exact[c] for c in rest) * total]
+    assert len(big) >= 8, "the distribution must have some spread"
+    expected = np.array(expected) * total / sum(expected)
+    return chisquare(np.array(observed, dtype=float), expected).pvalue
+
+
+CASES = [  # (mode, sampling_rule, budget_ratio, params)
+    ("target", "top1", 0.5, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)),
+    ("dflash", "top1", 0.5, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)),
+    ("dflash", "sampled", 0.5, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)),
+    ("dflash", "sampled", 0.5, SamplingParams(temperature=0.8, top_k=5, max_tokens=3, ignore_eos=True)),
+    ("dscale", "top1", 0.5, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)),
+    ("dscale", "top1", 0.25, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)),
+    ("dscale", "sampled", 0.5, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)),
+    ("dscale", "sampled", 0.25, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)),
+]
+
+
+@pytest.mark.parametrize("mode,rule,ratio,params", CASES,
+                         ids=[f"{m}-{r}-{b}-T{p.temperature}-p{p.top_p}-k{p.top_k}" for m, r, b, p in CASES])
+def test_sampled_output_has_the_target_distribution(small_vocab_pair, tmp_path, mode, rule, ratio,  # noqa: F811
+                                                    params):
+    target, drafter = small_vocab_pair
+    exact = exact_sequence_probs(target, params)
+    predictor = save_predictor(tmp_path, small_vocab_pair, "untrained", 3) if mode == "dscale" else None
+    cfg = EngineConfig(mode=mode, max_model_len=32, max_running_requests=256, seed=11, budget_ratio=ratio,
+                       sampling_rule=rule)
+    engine = Engine.from_pretrained(target, drafter if mode != "target" else None, predictor=predictor, config=cfg)
+    outputs = engine.generate([PROMPT] * 3000, params)
+    counts = collections.Counter(tuple(o.token_ids) for o in outputs)
+    if mode != "target":
+        assert engine.counters.accepted_drafts > 300, "drafts must be accepted for the test to mean anything"
+    if mode == "dscale":
+        assert engine.counters.verify_rows <= ratio * 16 * engine.counters.request_steps + engine.counters.steps
+    p_value = goodness_of_fit(counts, exact)
+    assert p_value > 1e-3, f"{mode}/{rule} sampling differs from the target's distribution (p={p_value:.3g})"
+
+
+# ------------------------------------------------------------------------------ seeded, token for token
+def seeded(params: SamplingParams, i: int) -> SamplingParams:
+    return SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                          max_tokens=params.max_tokens, ignore_eos=True, seed=1000 + i)
+
+
+def generate(pair_paths, mode, params_list, prompts, predictor=None, **config):  # noqa: F811
+    cfg = EngineConfig(mode=mode, **{"max_model_len": 1024, "dtype": "float32", **config})
+    engine = Engine.from_pretrained(pair_paths[0], pair_paths[1] if mode != "target" else None, predictor=predictor,
+                                    config=cfg)
+    return [o.token_ids for o in engine.generate(prompts, params_list)], engine
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, max_tokens=40),
+                                    SamplingParams(temperature=0.7, top_p=0.8, max_tokens=40)], ids=["T1", "T0.7-p0.8"])
+def test_top1_rule_reproduces_target_only_sampling_token_for_token(params):
+    """Seeded requests under the top-1 rule decode exactly what target-only sampling decodes with the same
+    seeds (the demo pair, fp32): in DFlash and in DScale at two budgets, at two batch sizes, mixed with greedy
+    requests in one batch."""
+    from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts
+
+    demo = (DEMO_DIR / "target", DEMO_DIR / "drafter")
+    prompts = [p["prompt"] for p in stdlib_prompts()[40:52]]
+    plist = [seeded(params, i) if i % 3 else SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+             for i in range(len(prompts))]
+    want, _ = generate(demo, "target", plist, prompts, max_running_requests=12)
+    predictor = DEMO_DIR.parent / "demo.pt"
+    runs = [("dflash", None, {"max_running_requests": 12}), ("dflash", None, {"max_running_requests": 3}),
+            ("dscale", predictor, {"max_running_requests": 12, "budget_ratio": 0.5}),
+            ("dscale", predictor, {"max_running_requests": 5, "budget_ratio": 0.25})]
+    for mode, pred, config in runs:
+        got, engine = generate(demo, mode, plist, prompts, pred, sampling_rule="top1", **config)
+        assert engine.counters.accepted_drafts > 0.5 * engine.counters.request_steps, "drafts must be accepted"
+        assert got == want, f"{mode} {config}"
+        if mode == "dscale":  # the budget really cut rows
+            assert engine.counters.verify_rows < 0.6 * 16 * engine.counters.request_steps
+
+
+def test_sampled_drafts_rule_is_reproducible_whatever_the_batch(small_vocab_pair):  # noqa: F811
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=1234)
+    cfg = dict(max_model_len=32, max_running_requests=8, sampling_rule="sampled")
+    alone, _ = generate(small_vocab_pair, "dflash", [params], [[1, 2, 3]], **cfg)
+    crowd, engine = generate(small_vocab_pair, "dflash", [SamplingParams(temperature=1.0, max_tokens=12)] * 5 + [params],
+                             [[3, 2, 1]] * 5 + [[1, 2, 3]], **cfg)
+    assert alone[0] == crowd[-1]
+    padded, _ = generate(small_vocab_pair, "dflash", [params] * 3, [[1, 2, 3]] * 3, **cfg)  # bucket 4, one pad row
+    assert padded == [alone[0]] * 3
+
+
+def test_auto_rule_picks_by_temperature_and_steps_pick_their_kind(pair):  # noqa: F811
+    engine = Engine.from_pretrained(pair[0], pair[1], config=EngineConfig(mode="dflash", max_model_len=64,
+                                                                          sampled_drafts_min_temperature=0.9))
+    assert engine._rule(SamplingParams(temperature=0)) == RULE_GREEDY
+    assert engine._rule(SamplingParams(temperature=0.7)) == RULE_TOP1
+    assert engine._rule(SamplingParams(temperature=1.0)) == RULE_SAMPLED
+    ids = [engine.add_request([5, 6, 7], p) for p in (SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+                                                       SamplingParams(temperature=0.7, top_p=0.8))]
+    requests = [engine.requests[i] for i in ids]
+    kind = engine._step_kind(requests, "dflash")
+    assert kind.sampled and kind.filtered and kind.draft_sampling and not kind.features
+    assert engine._step_kind(requests[:1], "dflash") == type(kind)("dflash")
+    assert engine._step_kind(requests[:2], "target") == type(kind)("target", sampled=True)
+    huge = engine.requests[engine.add_request([5], SamplingParams(temperature=1.0, top_k=10**6))]
+    assert huge.sampling[2] == -1  # top_k beyond the vocabulary keeps every token
+
+
+def test_every_mode_runs_through_the_one_runner(pair, tmp_path):  # noqa: F811
+    """Target-only, DFlash and DScale, greedy and sampled, traced or not: each step is a runner step."""
+    predictor = save_predictor(tmp_path, pair, "heuristic")
+    prompts, _ = prompt_set(6, seed=4)
+    params = [SamplingParams(temperature=t, max_tokens=10, ignore_eos=True, seed=i)
+              for i, t in zip(range(6), itertools.cycle([0, 1.0]))]
+    for mode in ("target", "dflash", "dscale"):
+        config = {"measure_retention": True} if mode == "dscale" else {}
+        _, engine = generate(pair, mode, params, prompts, predictor if mode == "dscale" else None,
+                             max_running_requests=6, **config)
+        kinds = {kind for _, kind in engine.runner.steps}
+        assert {k.mode for k in kinds} == {mode} and any(k.sampled for k in kinds)
+        if mode == "dscale":
+            assert all(k.retention for k in kinds) and engine.counters.full_width_drafts > 0
