@@ -46,7 +46,7 @@ def replay_ms(step, reps: int = 20) -> float:
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def run_mode(mode: str, models, args, mixed: bool) -> dict:

@@ -24,7 +24,8 @@ from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts
 from dscale_runtime.engine import Engine
 
-POINTS = [(0.3, 1.0), (0.5, 1.0), (0.7, 1.0), (0.85, 1.0), (1.0, 1.0), (0.7, 0.8), (1.0, 0.9)]
+POINTS = [(0.3, 1.0), (0.5, 1.0), (0.7, 1.0), (0.85, 1.0), (1.0, 1.0), (0.5, 0.8), (0.7, 0.8), (0.7, 0.9), (1.0, 0.8),
+          (1.0, 0.9), (1.0, 0.95)]
 
 
 def acceptance(engine: Engine, prompts: list[str], temperature: float, top_p: float, max_tokens: int) -> float:

@@ -37,7 +37,7 @@ from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import seed_lengths
 from dscale_runtime.graphs import GraphedCall
 from dscale_runtime.kv_cache import SCRATCH_PAGE
-from dscale_runtime.sampling import COIN, DRAFT, RESIDUAL, SamplingRows, policy_probs, sample_inverse_cdf, target_tokens
+from dscale_runtime.sampling import COIN, DRAFT, RESIDUAL, Policy, SamplingRows, make_policy, sample, target_tokens
 from dscale_runtime.verify import accept_greedy, accept_sampled_drafts
 
 RULE_GREEDY, RULE_TOP1, RULE_SAMPLED = 0, 1, 2
@@ -174,9 +174,9 @@ class BucketStep:
         self.features: torch.Tensor | None = None
 
     # ---- the three parts
-    def draft(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    def draft(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Policy | None]:
         """-> block tokens [B, W] (slot 0 = anchor), draft logits [B, W-1, V] (drafter dtype), drafter hidden
-        states [B, W-1, d], the drafter's policy q [B, W-1, V] fp32 (sampled-draft steps only)."""
+        states [B, W-1, d], the drafter's policy q over the B x (W-1) draft slots (sampled-draft steps only)."""
         r, buf, kind = self.runner, self.buf, self.kind
         if kind.mode == "target":
             return buf.anchor.view(-1, 1), None, None, None
@@ -189,12 +189,10 @@ class BucketStep:
         q = None
         if kind.draft_sampling:
             rows = buf.sampling_rows()
-            vocab = logits.shape[-1]
-            q = policy_probs(logits.reshape(b * (w - 1), vocab), rows.rows(torch.arange(b, device=block.device)
-                                                                           .repeat_interleave(w - 1)), kind.filtered)
+            per_slot = rows.rows(torch.arange(b, device=block.device).repeat_interleave(w - 1))
+            q = make_policy(logits.reshape(b * (w - 1), -1), per_slot, kind.filtered, r.sampling_backend)
             positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)  # [B, W-1] the drafts' indices
-            drawn = sample_inverse_cdf(q, rows.uniforms(positions, DRAFT).reshape(-1)).view(b, w - 1)
-            q = q.view(b, w - 1, vocab)
+            drawn = sample(q, rows.uniforms(positions, DRAFT).reshape(-1)).view(b, w - 1)
             block[:, 1:] = torch.where((buf.rule == RULE_SAMPLED)[:, None], drawn, block[:, 1:])
         return block, logits, hidden, q
 
@@ -219,7 +217,7 @@ class BucketStep:
         meta.query_starts = torch.cat([packed.verify_offsets, live_rows])
         return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features)
 
-    def _accept(self, logits: torch.Tensor, meta: AttentionMetadata, block: torch.Tensor, q: torch.Tensor | None,
+    def _accept(self, logits: torch.Tensor, meta: AttentionMetadata, block: torch.Tensor, q: Policy | None,
                 lens: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Accepted drafts [B] and successors [B] of one verification forward, each request by its rule."""
         buf, kind = self.buf, self.kind
@@ -227,18 +225,19 @@ class BucketStep:
         rows = buf.sampling_rows()
         row_rows = rows.rows(meta.row_req.clamp(max=b - 1))
         # Row at position p predicts the token at index p + 1: that index keys its draw.
-        tokens, probs = target_tokens(logits, row_rows, meta.positions + 1, kind.filtered, kind.sampled)
+        tokens, policy = target_tokens(logits, row_rows, meta.positions + 1, kind.filtered, kind.sampled,
+                                       self.runner.sampling_backend)
         accepted, successor = accept_greedy(tokens, block, lens, offsets)
         if kind.draft_sampling:
             w = block.shape[1]
             positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)
-            s_acc, s_succ = accept_sampled_drafts(probs, q, block, tokens, lens, offsets, rows.uniforms(positions, COIN),
+            s_acc, s_succ = accept_sampled_drafts(policy, q, block, tokens, lens, offsets, rows.uniforms(positions, COIN),
                                                   rows.uniforms(buf.ctx + 1, RESIDUAL))
             use = buf.rule == RULE_SAMPLED
             accepted, successor = torch.where(use, s_acc, accepted), torch.where(use, s_succ, successor)
         return accepted, successor
 
-    def verify(self, block: torch.Tensor, q: torch.Tensor | None, decision: Decision) -> torch.Tensor:
+    def verify(self, block: torch.Tensor, q: Policy | None, decision: Decision) -> torch.Tensor:
         """Target forward over the M rows, acceptance, drafter-cache injection -> the result [B, 4 + W]."""
         r, buf, kind = self.runner, self.buf, self.kind
         b, w = buf.size, self.width
@@ -309,6 +308,7 @@ class StepRunner:
         self.capture_layers = tuple(drafter.config.target_layer_ids) if drafter is not None and mode != "target" else ()
         # NOTE: the confidence-feature path was chosen once with the drafter's kernels (its logits' device/dtype)
         self.features_backend = drafter.kernels.features if drafter is not None else "ref"
+        self.sampling_backend = target.kernels.fused  # the policies' chunk sums: an elementwise pass + reduction
         self.device = torch.device(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)
         if self.buckets[-1] < max_batch or self.buckets[0] < 1:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dscale_runtime.kernels.sampling import chunk_exp_sums
+
 # Purposes of a draw (the third key of `keyed_uniforms`): one independent stream each.
 TARGET = 1  # the target's token at a position (target-only sampling, verification rows, the first token)
 DRAFT = 2  # a draft sampled from the drafter's policy (sampled-drafts rule)
@@ -105,12 +107,96 @@ def policy_probs(logits: torch.Tensor, rows: SamplingRows, filtered: bool) -> to
     return torch.zeros_like(logits).scatter_(-1, order, torch.softmax(sorted_logits, dim=-1))
 
 
-def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of probs [R, V] (any non-negative weights) at uniforms u [R]: the first token whose
-    cumulative weight exceeds u x total. Zero-weight tokens are never chosen."""
-    cdf = probs.float().cumsum(dim=-1)  # [R, V] non-decreasing
+CDF_CHUNK = 1024  # vocabulary entries per chunk of the two-level inverse CDF
+
+
+@dataclass
+class Policy:
+    """R row distributions over the vocabulary, kept as their logits: weight w_r(x) = exp((l_rx - shift_r) *
+    inv_t_r) (the tempered softmax up to a factor per row), or as dense weights (top-k / top-p policies, the
+    residuals of rejected drafts). `chunk_sums` [R, C] float64 are the weights of each chunk of CDF_CHUNK
+    entries; `total` [R] their sum. Built by `make_policy` / `Policy.dense`; read by `sample` and `weights_at`."""
+
+    values: torch.Tensor  # [R, V] logits (model dtype) or dense weights (fp32 / fp64)
+    shift: torch.Tensor | None  # [R] fp32 row max (None: `values` are the weights themselves)
+    inv_t: torch.Tensor | None  # [R] fp32 1 / temperature
+    chunk_sums: torch.Tensor  # [R, C] float64
+    chunk: int = CDF_CHUNK  # entries per chunk
+
+    @property
+    def total(self) -> torch.Tensor:  # [R] float64
+        return self.chunk_sums.sum(-1)
+
+    @classmethod
+    def dense(cls, weights: torch.Tensor, chunk: int = CDF_CHUNK) -> "Policy":
+        r, vocab = weights.shape
+        pad = -vocab % chunk
+        padded = torch.cat([weights, weights.new_zeros(r, pad)], dim=1) if pad else weights
+        return cls(weights, None, None, padded.reshape(r, -1, chunk).sum(-1, dtype=torch.float64), chunk)
+
+    def weights_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """float64 weights of entries (rows, cols) (broadcast index tensors)."""
+        v = self.values[rows, cols]
+        if self.shift is None:
+            return v.double()
+        return torch.exp((v.float() - self.shift[rows]) * self.inv_t[rows]).double()
+
+    def row_weights(self, rows: torch.Tensor) -> torch.Tensor:
+        """float64 weights [n, V] of whole rows `rows` [n] (a few rows only: residuals)."""
+        v = self.values[rows]
+        if self.shift is None:
+            return v.double()
+        return torch.exp((v.double() - self.shift[rows, None].double()) * self.inv_t[rows, None].double())
+
+    def probs_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return self.weights_at(rows, cols) / self.total[rows]
+
+
+def make_policy(logits: torch.Tensor, rows: SamplingRows, filtered: bool, backend: str = "auto",
+                chunk: int = CDF_CHUNK, row_max: torch.Tensor | None = None) -> Policy:
+    """The policy of logits [R, V]: with `filtered`, dense `policy_probs`; else the tempered softmax kept as
+    logits, whose chunk sums are the only full pass over the row (`kernels.sampling.chunk_exp_sums`: one
+    Triton read of the logits on CUDA; `backend` is the target's KernelChoice `fused`). `row_max` [R]: the
+    logits' row maxima when the caller has them."""
+    if filtered:
+        return Policy.dense(policy_probs(logits, rows, filtered), chunk)
+    shift = (logits.amax(dim=-1) if row_max is None else row_max).float()
+    inv_t = 1.0 / rows.temperature.float().clamp_min(1e-6)
+    return Policy(logits, shift, inv_t, chunk_exp_sums(logits, shift, inv_t, chunk, backend), chunk)
+
+
+def sample(policy: Policy, u: torch.Tensor) -> torch.Tensor:
+    """One token per row at uniforms u [R]: the first token whose cumulative weight exceeds u x total
+    (`sample_inverse_cdf_ref`'s function), in two levels: the chunk sums locate the chunk, a scan of that
+    chunk alone locates the token. Zero-weight tokens are never chosen."""
+    (r, vocab), chunk = policy.values.shape, policy.chunk
+    cum = policy.chunk_sums.cumsum(dim=-1)  # [R, C]
+    total = cum[:, -1:].contiguous()
+    value = u.view(-1, 1).double() * total  # [R, 1]
+    # NOTE: the last chunk (token) of positive weight is the first to reach the total: a value rounded up to
+    # the total lands there, never on a zero-weight chunk (token) after it.
+    at = torch.minimum(torch.searchsorted(cum, value, right=True), torch.searchsorted(cum, total, right=False))
+    prefix = torch.where(at > 0, cum.gather(1, (at - 1).clamp_min(0)), torch.zeros_like(value))
+    index = at * chunk + torch.arange(chunk, device=u.device)  # [R, chunk]
+    row = torch.arange(r, device=u.device)[:, None]
+    local = policy.weights_at(row, index.clamp(max=vocab - 1)) * (index < vocab)
+    local_cdf = local.cumsum(dim=-1) + prefix
+    end = local_cdf[:, -1:].contiguous()
+    inside = torch.minimum(torch.searchsorted(local_cdf, value, right=True),
+                           torch.searchsorted(local_cdf, end, right=False))
+    return (at * chunk + inside).view(-1)
+
+
+def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor, chunk: int = CDF_CHUNK) -> torch.Tensor:
+    """`sample` over dense weights [R, V] (non-negative, any scale)."""
+    return sample(Policy.dense(weights, chunk), u)
+
+
+def sample_inverse_cdf_ref(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The portable definition: one scan over the whole row (float64), the oracle of `sample`."""
+    cdf = weights.double().cumsum(dim=-1)  # [R, V] non-decreasing
     total = cdf[:, -1:].contiguous()
-    value = (u.view(-1, 1) * total.double()).float()
+    value = u.view(-1, 1).double() * total
     token = torch.searchsorted(cdf, value, right=True)
     # NOTE: value may round up to the total; the last token of positive weight is the first reaching it.
     last = torch.searchsorted(cdf, total, right=False)
@@ -118,14 +204,14 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, filtered: bool,
-                  sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's token for every row of logits [R, V] -> (tokens [R], policy probs [R, V] or None).
+                  sampled: bool, backend: str = "auto") -> tuple[torch.Tensor, Policy | None]:
+    """The target's token for every row of logits [R, V] -> (tokens [R], its policy or None).
 
     Greedy rows take the argmax; when `sampled` (a host decision: some row samples) the others take
     inverse-CDF(policy, u(seed, position, TARGET)), `positions` [R] being the index of the token drawn."""
-    argmax = logits.argmax(dim=-1)
     if not sampled:
-        return argmax, None
-    probs = policy_probs(logits, rows, filtered)
-    drawn = sample_inverse_cdf(probs, rows.uniforms(positions, TARGET))
-    return torch.where(rows.greedy, argmax, drawn), probs
+        return logits.argmax(dim=-1), None
+    row_max, argmax = logits.max(dim=-1)  # NOTE: one read gives the greedy token and the policy's shift
+    policy = make_policy(logits, rows, filtered, backend, row_max=row_max)
+    drawn = sample(policy, rows.uniforms(positions, TARGET))
+    return torch.where(rows.greedy, argmax, drawn), policy

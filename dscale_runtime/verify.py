@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from dscale_runtime.sampling import sample_inverse_cdf
+from dscale_runtime.sampling import Policy, sample_inverse_cdf
 
 
 def _draft_rows(draft_tokens: torch.Tensor, verify_lens: torch.Tensor, verify_offsets: torch.Tensor, num_rows: int):
@@ -46,8 +46,8 @@ def accept_greedy(
 
 
 def accept_sampled_drafts(
-    target_probs: torch.Tensor,  # [M, V] the target's policy p at every verification row
-    draft_probs: torch.Tensor,  # [N, W-1, V] the drafter's policy q at each draft slot
+    target: Policy,  # p at every verification row [M, V]
+    draft: Policy,  # q at each draft slot, rows n * (W-1) + j - 1 [N * (W-1), V]
     draft_tokens: torch.Tensor,  # [N, W] drafts drawn from q (slot 0 = anchor)
     target_tokens: torch.Tensor,  # [M] a draw from p at every row (the successor when every draft passes)
     verify_lens: torch.Tensor,  # [N]
@@ -56,19 +56,22 @@ def accept_sampled_drafts(
     residual_u: torch.Tensor,  # [N] float64 U[0, 1) for the residual draw
 ) -> tuple[torch.Tensor, torch.Tensor]:  # accepted_lens [N], successor [N]
     """Standard speculative sampling over the packed rows (the sampled-drafts rule)."""
-    n = draft_tokens.shape[0]
-    rows, verified = _draft_rows(draft_tokens, verify_lens, verify_offsets, target_probs.shape[0])
+    n, w = draft_tokens.shape
+    num_rows = target.values.shape[0]
+    rows, verified = _draft_rows(draft_tokens, verify_lens, verify_offsets, num_rows)
     drafts = draft_tokens[:, 1:]  # [N, W-1]
-    p_x = target_probs[rows, drafts]  # [N, W-1]
-    q_x = draft_probs.gather(2, drafts[..., None])[..., 0]  # [N, W-1], > 0 where the draft was drawn from q
-    passed = (coins * q_x.double() < p_x.double()) & verified
+    q_rows = torch.arange(n * (w - 1), device=drafts.device).view(n, w - 1)
+    p_x = target.probs_at(rows, drafts)  # [N, W-1]
+    q_x = draft.probs_at(q_rows, drafts)  # > 0: drafts come from q
+    passed = (coins * q_x < p_x) & verified
     accepted = passed.long().cumprod(dim=1).sum(dim=1)
     rejected = accepted < verify_lens - 1
-    last = target_probs.shape[0] - 1
-    succ_rows = (verify_offsets + accepted).clamp(0, max(last, 0))
-    slot = accepted.clamp(max=drafts.shape[1] - 1)  # the rejected draft's column
-    residual = (target_probs[succ_rows] - draft_probs[torch.arange(n, device=slot.device), slot]).clamp_min(0)
+    succ_rows = (verify_offsets + accepted).clamp(0, max(num_rows - 1, 0))
+    slot = accepted.clamp(max=w - 2)  # the rejected draft's column
+    p_row = target.row_weights(succ_rows) / target.total[succ_rows, None]  # [N, V]
+    q_flat = q_rows.gather(1, slot[:, None])[:, 0]
+    residual = (p_row - draft.row_weights(q_flat) / draft.total[q_flat, None]).clamp_min(0)
     # NOTE: p == q at that row makes a rejection impossible; the residual is then never used.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, target_probs[succ_rows])
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
     from_residual = sample_inverse_cdf(residual, residual_u)
     return accepted, torch.where(rejected, from_residual, target_tokens[succ_rows])

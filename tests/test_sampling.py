@@ -19,7 +19,16 @@ from checkpoints import write_drafter, write_target
 from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.engine import Engine
 from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1
-from dscale_runtime.sampling import SamplingRows, keyed_uniforms, policy_probs, sample_inverse_cdf, split_seed
+from dscale_runtime.sampling import (
+    SamplingRows,
+    keyed_uniforms,
+    policy_probs,
+    make_policy,
+    sample,
+    sample_inverse_cdf,
+    sample_inverse_cdf_ref,
+    split_seed,
+)
 from test_engine import pair, prompt_set, small_vocab_pair  # noqa: F401 (fixtures)
 from test_engine_dscale import save_predictor
 
@@ -59,6 +68,62 @@ def test_inverse_cdf_never_draws_a_zero_probability_token_and_follows_the_distri
     counts = torch.bincount(tokens, minlength=5).double().numpy()
     assert counts[1] == counts[4] == 0
     assert chisquare(counts[[0, 2, 3]], np.array([0.2, 0.3, 0.5]) * 100_000).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("vocab,chunk", [(1000, 64), (1024, 256), (37, 8)])
+def test_two_level_inverse_cdf_equals_the_one_scan_reference(vocab, chunk):
+    gen = torch.Generator().manual_seed(vocab)
+    weights = torch.rand(400, vocab, generator=gen) ** 4 * 3.0
+    weights[:, ::7] = 0.0  # zero-weight tokens, whole zero chunks too
+    weights[0, : vocab - 1] = 0.0  # all mass on the last token
+    weights[1, 1:], weights[1, 0] = 0.0, 1.0  # all mass on the first
+    u = torch.rand(400, generator=gen, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1 - 2**-53, 0.5, 1 - 2**-53], dtype=torch.float64)
+    got, want = sample_inverse_cdf(weights, u, chunk=chunk), sample_inverse_cdf_ref(weights, u)
+    assert (weights[torch.arange(400), got] > 0).all()
+    assert (got == want).float().mean() > 0.99  # equal up to float rounding at a boundary
+    assert got[0] == vocab - 1 and got[1] == 0
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_a_policy_kept_as_logits_is_the_policy(filtered):
+    """make_policy's weights are policy_probs up to a row factor, and sampling it follows policy_probs."""
+    gen = torch.Generator().manual_seed(1)
+    logits = (torch.randn(6, 3000, generator=gen) * 3).to(torch.bfloat16)
+    rows = SamplingRows(torch.zeros(6, dtype=torch.bool), torch.tensor([0.3, 0.7, 1.0, 1.5, 1.0, 2.0]),
+                        torch.tensor([-1, -1, 50, -1, -1, -1]), torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 1.0]),
+                        torch.zeros(6, dtype=torch.long), torch.zeros(6, dtype=torch.long))
+    policy = make_policy(logits, rows, filtered)
+    want = policy_probs(logits, rows, filtered).double()
+    every = torch.arange(3000)
+    got = torch.stack([policy.probs_at(torch.full((3000,), i), every) for i in range(6)])
+    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(policy.row_weights(torch.arange(6)) / policy.total[:, None], want, atol=1e-6)
+    u = torch.rand(6, 20000, generator=gen, dtype=torch.float64)
+    draws = torch.stack([sample(policy, u[:, i]) for i in range(200)], dim=1)  # [6, 200] through the chunks
+    assert (want.gather(1, draws) > 0).all()
+    ref = torch.stack([sample_inverse_cdf_ref(want, u[:, i]) for i in range(200)], dim=1)
+    assert (draws == ref).float().mean() > 0.99
+
+
+@pytest.mark.gpu  # and on CPU machines through Triton's interpreter
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
+def test_chunk_sums_kernel_equals_its_reference():
+    from dscale_runtime.kernels import triton_sampling
+    from dscale_runtime.kernels.sampling import chunk_exp_sums, chunk_exp_sums_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not triton_sampling.interpreted():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(2)
+    for dtype, vocab in ((torch.float32, 5000), (torch.bfloat16, 1024), (torch.float16, 777), (torch.bfloat16, 151936)):
+        logits = (torch.randn(5, vocab, generator=gen) * 4).to(dtype).to(device)
+        shift = logits.float().amax(-1)
+        inv_t = torch.tensor([1.0, 2.0, 0.5, 1.3, 10.0], device=device)
+        want = chunk_exp_sums_ref(logits, shift, inv_t, 256)
+        got = chunk_exp_sums(logits, shift, inv_t, 256, backend="triton")
+        assert got.shape == want.shape == (5, -(-vocab // 256))
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-30)
 
 
 def test_policy_applies_temperature_top_k_and_top_p():

@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dscale_runtime.sampling import sample_inverse_cdf
+from dscale_runtime.sampling import Policy, sample_inverse_cdf
 from dscale_runtime.verify import accept_greedy, accept_sampled_drafts
 
 W = 5
@@ -55,12 +55,13 @@ def test_sampled_drafts_deterministic_cases():
     p = torch.nn.functional.one_hot(torch.tensor([1, 2, 3]), vocab).float()  # rows judge d1, d2, then successor
     q = p[:2][None]  # [1, 2, V]
     drafts = torch.tensor([[0, 1, 2]])
+    p, q = Policy.dense(p), Policy.dense(q[0])
     acc, succ = accept_sampled_drafts(p, q, drafts, torch.tensor([1, 2, 3]), torch.tensor([3]), torch.tensor([0]),
                                       torch.rand(1, 2, dtype=torch.float64), torch.rand(1, dtype=torch.float64))
     assert acc.tolist() == [2] and succ.tolist() == [3]
     # p puts no mass on d1: rejected at once; the residual max(0, p - q) is p's row, token 1... here token 4.
     p0 = torch.nn.functional.one_hot(torch.tensor([4, 2, 3]), vocab).float()
-    acc, succ = accept_sampled_drafts(p0, q, drafts, torch.tensor([4, 2, 3]), torch.tensor([3]), torch.tensor([0]),
+    acc, succ = accept_sampled_drafts(Policy.dense(p0), q, drafts, torch.tensor([4, 2, 3]), torch.tensor([3]), torch.tensor([0]),
                                       torch.zeros(1, 2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
     assert acc.tolist() == [0] and succ.tolist() == [4]
     # k = 1 verifies no draft: the successor is row 0's target token, whatever the coins.
@@ -100,7 +101,8 @@ def test_both_rules_keep_the_target_distribution(rule, k):
     else:
         drawn = sample_inverse_cdf(q.repeat(trials, 1), u(trials * 2)).view(trials, 2)
         drafts = torch.cat([torch.zeros(trials, 1, dtype=torch.long), drawn], dim=1)
-        acc, succ = accept_sampled_drafts(rows, q.expand(trials, 2, vocab), drafts, target, lens, offsets,
+        acc, succ = accept_sampled_drafts(Policy.dense(rows), Policy.dense(q.repeat(trials, 1)), drafts, target,
+                                          lens, offsets,
                                           u(trials, 2), u(trials))
     first = torch.where(acc >= 1, drafts[:, 1], succ)
     assert _fit(torch.bincount(first, minlength=vocab), p[0]) > 1e-3

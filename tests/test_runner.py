@@ -1,0 +1,178 @@
+"""The step runner (`dscale_runtime/runner.py`): buckets, step kinds, padding, and captured == eager on the GPU.
+
+CPU: the buckets a batch walks through decode what one bucket per batch size decodes (padding never changes a
+token), `prepare` builds every (bucket, mode) a batch can need, the interpreted Triton kernels decode what the
+portable paths decode on bucketed steps. GPU (marker `gpu`): the captured steps decode exactly what the same
+runner decodes eagerly, greedy and seeded-sampled, in every mode, and captured sampling keeps the target's
+distribution.
+"""
+
+from __future__ import annotations
+
+import collections
+import pytest
+import torch
+
+from checkpoints import write_drafter, write_target
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.engine import Engine
+from dscale_runtime.runner import StepKind, default_buckets
+
+from markers import needs_cuda, needs_triton
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    return (write_target(root / "target", layers=2),
+            write_drafter(root / "drafter", layers=1, target_layer_ids=(0, 1), num_target_layers=2))
+
+
+@pytest.fixture(scope="module")
+def predictor(pair, tmp_path_factory):
+    from test_engine_dscale import save_predictor
+
+    return save_predictor(tmp_path_factory.mktemp("pred"), pair, "heuristic")
+
+
+PROMPTS = [[5, 9, 2], [7] * 20, list(range(1, 18)), [3, 1], [11, 12, 13, 14], [2] * 9]
+LENGTHS = [6, 17, 11, 3, 25, 9]  # requests finish at different steps: n walks down through the buckets
+
+
+def run(pair, predictor, mode, buckets=None, params=None, **config):
+    cfg = EngineConfig(mode=mode, max_running_requests=6, max_model_len=96, dtype="float32", graph_buckets=buckets,
+                       **config)
+    engine = Engine.from_pretrained(pair[0], pair[1] if mode != "target" else None,
+                                    predictor=predictor if mode == "dscale" else None, config=cfg, keep_history=True)
+    params = params or [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in LENGTHS]
+    return [o.token_ids for o in engine.generate(PROMPTS, params)], engine
+
+
+def test_default_buckets():
+    assert default_buckets(1) == [1] and default_buckets(6) == [1, 2, 4, 6]
+    assert default_buckets(32) == [1, 2, 4, 8, 16, 24, 32] and default_buckets(20) == [1, 2, 4, 8, 16, 20]
+    with pytest.raises(ValueError, match="graph_buckets"):
+        EngineConfig(max_running_requests=8, graph_buckets=(1, 4))
+
+
+@pytest.mark.parametrize("mode,config", [("target", {}), ("dflash", {}), ("dscale", {}),
+                                         ("dscale", {"full_width_max_batch": 2})],
+                         ids=["target", "dflash", "dscale", "dscale-full-width-2"])
+def test_padding_into_buckets_changes_no_token(pair, predictor, mode, config):
+    """Default buckets (batches of 3 and 5 run padded in buckets of 4 and 6) against one bucket per size."""
+    seeded = [SamplingParams(temperature=1.0 if i % 2 else 0, max_tokens=m, ignore_eos=True, seed=i)
+              for i, m in enumerate(LENGTHS)]
+    for params in (None, seeded):
+        padded, engine = run(pair, predictor, mode, params=params, **config)
+        exact, plain = run(pair, predictor, mode, buckets=(1, 2, 3, 4, 5, 6), params=params, **config)
+        assert padded == exact
+        assert {4, 6} <= {size for size, _ in engine.runner.steps} and {3, 5} <= {size for size, _ in plain.runner.steps}
+        if params is None:
+            assert [h.verify_lens for h in engine.counters.history] == [h.verify_lens for h in plain.counters.history]
+            if mode == "dscale" and not config:
+                assert any(len(set(h.verify_lens)) > 1 for h in engine.counters.history)  # the decision ran
+
+
+def test_prepare_builds_every_bucket_and_mode_a_batch_can_need(pair, predictor):
+    cfg = EngineConfig(mode="dscale", max_running_requests=6, max_model_len=96, dtype="float32",
+                       full_width_max_batch=3)
+    engine = Engine.from_pretrained(pair[0], pair[1], predictor=predictor, config=cfg)
+    runner = engine.runner
+    assert runner.buckets == [1, 2, 4, 6] and not runner.steps  # on the CPU nothing is built up front
+    assert [runner.mode_for(n) for n in range(1, 7)] == ["dflash"] * 3 + ["dscale"] * 3
+    kinds = engine._serving_kinds()
+    assert len(kinds) == 5 and StepKind("dscale") in kinds
+    runner.prepare(kinds)
+    modes = {(size, kind.mode) for size, kind in runner.steps}
+    assert modes == {(1, "dflash"), (2, "dflash"), (4, "dflash"), (4, "dscale"), (6, "dscale")}
+    assert len(runner.steps) == 5 * len(modes)
+    assert runner.steps[(6, StepKind("dscale"))].num_rows == 48
+    assert runner.steps[(4, StepKind("dflash"))].num_rows == 64
+
+
+@needs_triton
+def test_bucketed_dscale_step_through_the_interpreted_kernels(pair, predictor, monkeypatch):
+    """Buckets leave more placeholder rows than W (M fixed per bucket, M_live per batch): the Triton paths
+    (interpreter on CPU) must skip them and decode what the portable paths decode."""
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA run of this comparison is the gpu test below")
+    params = [SamplingParams(temperature=0, max_tokens=m // 4 + 1, ignore_eos=True) for m in LENGTHS]  # n: 6, 5, ..
+    want, _ = run(pair, predictor, "dscale", params=params)
+    for var in ("DSCALE_ATTENTION", "DSCALE_FUSED", "DSCALE_FEATURES"):
+        monkeypatch.setenv(var, "triton")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got, engine = run(pair, predictor, "dscale", params=params)
+    finally:
+        torch.set_num_threads(threads)
+    assert engine.runner.features_backend == "triton"
+    assert got == want
+    assert any(size > 2 for size, _ in engine.runner.steps)
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+def demo_engine(mode: str, graphs: bool, **config) -> Engine:
+    from dscale_runtime.demo.prompts import DEMO_DIR
+
+    cfg = EngineConfig(mode=mode, max_running_requests=16, device="cuda", dtype="float32", max_model_len=1024,
+                       step_graphs=graphs, **config)
+    return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
+                                  DEMO_DIR.parent / "demo.pt" if mode == "dscale" else None, config=cfg)
+
+
+@pytest.mark.parametrize("mode", ["target", "dflash", "dscale"])
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_steps_equal_eager_steps_on_the_demo_pair(mode):
+    """Greedy, seeded T=1 (sampled drafts under the auto rule) and seeded T=0.7/top_p 0.8 (top-1 rule) requests
+    in one batch: graphs on and off decode the same tokens."""
+    from dscale_runtime.demo.prompts import stdlib_prompts
+
+    prompts = [p["prompt"] for p in stdlib_prompts()[:24]]
+    points = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)]
+    params = [SamplingParams(temperature=points[i % 3][0], top_p=points[i % 3][1], max_tokens=48, ignore_eos=True,
+                             seed=i) for i in range(len(prompts))]
+    tokens = {}
+    for graphs in (False, True):
+        engine = demo_engine(mode, graphs)
+        tokens[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+        if graphs:
+            assert engine.runner.steps and all(s.call.graph is not None for s in engine.runner.steps.values())
+            if mode != "target":
+                assert engine.counters.accepted_drafts > 0.5 * engine.counters.request_steps
+    assert tokens[True] == tokens[False]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_top1_sampling_equals_captured_target_only_sampling():
+    from dscale_runtime.demo.prompts import stdlib_prompts
+
+    prompts = [p["prompt"] for p in stdlib_prompts()[:16]]
+    params = [SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=100 + i) for i in range(16)]
+    want = [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
+    for mode in ("dflash", "dscale"):
+        got = [o.token_ids for o in demo_engine(mode, True, sampling_rule="top1").generate(prompts, params)]
+        assert got == want, mode
+
+
+@pytest.mark.parametrize("mode,rule,ratio", [("dflash", "sampled", 0.5), ("dscale", "top1", 0.25),
+                                             ("dscale", "sampled", 0.5)])
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_sampling_has_the_target_distribution(tmp_path, mode, rule, ratio):
+    from test_engine_dscale import save_predictor
+    from test_sampling import PROMPT, exact_sequence_probs, goodness_of_fit
+
+    target = write_target(tmp_path / "target", vocab=8, hidden=32, seed=5)
+    drafter = write_drafter(tmp_path / "drafter", vocab=8, mask_token_id=7, seed=6)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)
+    exact = exact_sequence_probs(target, params)
+    predictor = save_predictor(tmp_path, (target, drafter), "untrained", 3) if mode == "dscale" else None
+    cfg = EngineConfig(mode=mode, max_model_len=32, max_running_requests=256, seed=11, budget_ratio=ratio,
+                       sampling_rule=rule, device="cuda", dtype="float32", step_graphs=True)
+    engine = Engine.from_pretrained(target, drafter, predictor=predictor, config=cfg)
+    counts = collections.Counter(tuple(o.token_ids) for o in engine.generate([PROMPT] * 3000, params))
+    assert engine.counters.accepted_drafts > 300
+    assert goodness_of_fit(counts, exact) > 1e-3
