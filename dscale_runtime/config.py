@@ -174,5 +174,8 @@ class RequestOutput:
     text: str | None
     """Detokenized output without special tokens, cut before a stop string (None without a tokenizer)."""
     finish_reason: str
-    """'stop' (EOS, stop token or stop string), 'length' (max_tokens or max_model_len) or 'abort'."""
+    """'stop' (EOS, stop token or stop string), 'length' (max_tokens or max_model_len), 'abort', or 'error'
+    (this request failed inside an engine step; the others went on)."""
     stats: RequestStats
+    error: str | None = None
+    """With finish_reason 'error': what failed (the log has the traceback under the request id)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -30,6 +31,9 @@ from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1, StepKind
 from dscale_runtime.sampling import SamplingRows, split_seed, target_tokens
 from dscale_runtime.scheduler import Request, Scheduler
 from dscale_runtime.stats import EngineCounters, StepStats, StepTrace, retained_drafts
+
+log = logging.getLogger("dscale.engine")
+
 
 class Engine:
     def __init__(
@@ -223,9 +227,9 @@ class Engine:
         admitted, decoding = self.scheduler.schedule()
         finished: list[Request] = []
         if admitted:
-            finished += self._prefill(admitted)
+            finished += self._isolated(self._prefill, admitted)
         if decoding:
-            finished += self._decode(decoding)
+            finished += self._isolated(self._decode, decoding)
         outputs = []
         for request in finished:
             self.requests.pop(request.request_id, None)
@@ -248,6 +252,23 @@ class Engine:
         return [done[i] for i in ids]
 
     # ------------------------------------------------------------------ step internals
+    def _isolated(self, part, requests: list[Request]) -> list[Request]:
+        """`part(requests)` (prefill or decode); when it raises, the batch is split until the requests that
+        fail alone are found: each of those finishes with finish_reason 'error', the others go on (a request
+        is never advanced twice: a part commits only after its device work, and a failing commit fails its
+        request alone, `_commit_or_fail`). Returns the finished ones."""
+        try:
+            return part(requests)
+        except Exception as exc:  # noqa: BLE001 - attributed to requests below, never swallowed silently
+            if len(requests) == 1:
+                request = requests[0]
+                log.exception("request %s failed in %s; it is aborted alone", request.request_id, part.__name__)
+                request.error = f"{type(exc).__name__} in the engine's {part.__name__.strip('_')}"
+                self.scheduler.finish(request, "error")
+                return [request]
+        half = len(requests) // 2
+        return self._isolated(part, requests[:half]) + self._isolated(part, requests[half:])
+
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
@@ -313,7 +334,7 @@ class Engine:
         if fresh:
             first = self._first_tokens(logits[self._tensor(fresh)], [requests[i] for i in fresh])
             for i, token in zip(fresh, first):
-                if self._commit(requests[i], [token]):
+                if self._commit_or_fail(requests[i], [token]):
                     finished.append(requests[i])
         return finished
 
@@ -351,9 +372,19 @@ class Engine:
             request.stats.num_steps += 1
             request.stats.accepted_lens.append(a)
             request.stats.verify_lens.append(k)
-            if self._commit(request, block[1 : a + 1] + [succ]):
+            if self._commit_or_fail(request, block[1 : a + 1] + [succ]):
                 finished.append(request)
         return finished
+
+    def _commit_or_fail(self, request: Request, new_tokens: list[int]) -> bool:
+        """`_commit`, except that a failure there (a stop-string check, say) finishes this request alone."""
+        try:
+            return self._commit(request, new_tokens)
+        except Exception as exc:  # noqa: BLE001 - the request ends with finish_reason 'error', logged
+            log.exception("request %s failed while committing its tokens; it is aborted alone", request.request_id)
+            request.error = f"{type(exc).__name__} while committing tokens"
+            self.scheduler.finish(request, "error")
+            return True
 
     def _record(self, requests: list[Request], accepted: list[int], lens: list[int], rows: int,
                 full_accepted: list[int] | None = None) -> None:
@@ -404,4 +435,4 @@ class Engine:
             if cuts:
                 text = text[: min(cuts)]
         return RequestOutput(request.request_id, request.prompt_token_ids, list(request.output_token_ids), text,
-                             request.finish_reason or "abort", request.stats)
+                             request.finish_reason or "abort", request.stats, request.error)

@@ -33,6 +33,8 @@ class Request:
     """Tokens whose target K/V and drafter context are in the cache (all but the pending anchor)."""
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: str | None = None
+    """What failed, when the engine aborted this request alone (finish_reason 'error')."""
     sampling: tuple = ()
     """(seed_lo, seed_hi, top_k, rule, temperature, top_p): the request's columns of the step buffers."""
     stats: RequestStats = field(default_factory=RequestStats)

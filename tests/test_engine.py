@@ -280,3 +280,51 @@ def test_commit_stops_inside_an_accepted_run(pair):
             engine.scheduler.finish(request, "abort")
     out = engine._output(Request("s", [1], SamplingParams(stop=("CD",)), output_token_ids=[33, 34, 35, 36]))
     assert out.text == "AB"
+
+
+@pytest.mark.parametrize("where", ["decode", "prefill", "commit"])
+def test_a_fault_of_one_request_aborts_it_alone(pair, monkeypatch, where):
+    """A step part that raises whenever one poisoned request (marked by top_k = 77) is in its batch: that
+    request finishes with finish_reason 'error', every other request decodes its target-only greedy tokens."""
+    prompts, params = prompt_set(8, seed=2)
+    engine = make_engine(pair, max_running_requests=8)
+    poison = SamplingParams(temperature=0, top_k=77, max_tokens=20, ignore_eos=True)
+    if where == "decode":
+        run = engine.runner.run
+
+        def faulty(anchors, ctx, pages, sampling, kind, context=None):
+            if any(s[2] == 77 for s in sampling):
+                raise RuntimeError("injected fault")
+            return run(anchors, ctx, pages, sampling, kind, context)
+
+        monkeypatch.setattr(engine.runner, "run", faulty)
+    elif where == "prefill":
+        prefill = engine._prefill
+
+        def faulty(requests):
+            if any(r.params.top_k == 77 for r in requests):
+                raise RuntimeError("injected fault")
+            return prefill(requests)
+
+        faulty.__name__ = "_prefill"
+        monkeypatch.setattr(engine, "_prefill", faulty)
+    else:
+        commit = engine._commit
+
+        def faulty(request, tokens):
+            if request.params.top_k == 77 and request.output_token_ids:
+                raise RuntimeError("injected fault")
+            return commit(request, tokens)
+
+        monkeypatch.setattr(engine, "_commit", faulty)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    engine.add_request([5, 6, 7], poison, request_id="poisoned")
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+    bad = done.pop("poisoned")
+    assert bad.finish_reason == "error" and "RuntimeError" in bad.error
+    want = make_engine(pair, "target", max_running_requests=8).generate(prompts, params)
+    assert [done[i].token_ids for i in ids] == [o.token_ids for o in want]
+    assert all(o.finish_reason != "error" for o in done.values())

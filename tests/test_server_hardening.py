@@ -480,6 +480,36 @@ def test_a_failing_step_never_kills_the_engine_thread(tiny_pair, tiny_reference,
         assert s.state.worker.stats.step_failures == 3
 
 
+def test_a_fault_attributed_to_one_request_fails_it_alone(tiny_pair, tiny_reference, caplog):
+    """Concurrent requests, one of which (top_k 77) makes every decode step that holds it raise: that client
+    gets a 500 naming its request id, the others get 200 and their target-only greedy texts."""
+    import concurrent.futures
+
+    cfg = EngineConfig(mode="dflash", max_running_requests=8, max_model_len=TINY_LEN)
+    engine = Engine.from_pretrained(tiny_pair[0], tiny_pair[1], config=cfg)
+    run = engine.runner.run
+
+    def faulty(anchors, ctx, pages, sampling, kind, context=None):
+        if any(row[2] == 77 for row in sampling):
+            raise RuntimeError("injected fault: secret internals")
+        return run(anchors, ctx, pages, sampling, kind, context)
+
+    engine.runner.run = faulty
+    prompts = ["def f(x):", "class A:", "import os", "for i in"]
+    want = [o.text for o in tiny_reference.generate(prompts, SamplingParams(temperature=0, max_tokens=10))]
+    bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0} for p in prompts]
+    bodies.insert(2, {"prompt": "x = ", "max_tokens": 10, "temperature": 1.0, "top_k": 77})
+    with BackgroundServer(engine, ServeConfig(port=0, served_model_name="tiny")) as s:
+        with caplog.at_level(logging.ERROR), concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda b: httpx.post(s.url + C, json=b, timeout=60), bodies))
+        poisoned = answers.pop(2)
+        assert poisoned.status_code == 500 and "secret" not in poisoned.text
+        assert "injected fault" in caplog.text
+        assert [a.status_code for a in answers] == [200] * 4
+        assert [a.json()["choices"][0]["text"] for a in answers] == want
+        assert s.state.worker.alive and s.state.worker.stats.step_failures == 0
+
+
 def test_an_unhandled_error_is_a_500_with_the_request_id_only(server, tiny_reference, monkeypatch, caplog):
     def broken(text: str):
         raise RuntimeError("secret internals of the tokenizer")

@@ -7,6 +7,7 @@ HTTP handlers run on the asyncio loop and talk to it through two channels:
   `Delta`s for streaming requests, then `Finished` (or `Rejected` when a step fails, `Aborted` after an abort).
 
 The thread never dies of an exception: a failing admission or detokenisation fails that request alone; a
+request the engine aborted alone (finish_reason 'error': a fault its step attributed to it) gets a 500; a
 failing `engine.step()` fails the requests of that step (the batch state is the engine's to repair) and the
 thread goes on serving. Error answers carry the request id; the traceback goes to the log with it.
 """
@@ -262,6 +263,9 @@ class EngineWorker:
 
     def _finish(self, live: _Live, out: RequestOutput, now: float) -> None:
         sub = live.submission
+        if out.finish_reason == "error":  # the engine aborted this request alone (its log names it)
+            self.stats.finished["error"] += 1
+            return sub.send(internal_error(sub.request_id, "in the engine step"))
         try:
             text = out.text or ""
             if live.detokenizer is not None:
