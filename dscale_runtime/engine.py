@@ -10,7 +10,6 @@ rule, under seeded sampling).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from pathlib import Path
