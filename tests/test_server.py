@@ -382,3 +382,4 @@ def test_engine_options_from_flags():
     assert engine_config("--device", "cuda:1", "--step-graphs", "false").step_graphs is False
     assert engine_config("--step-graphs").step_graphs is True
     assert engine_config("--draft-dtype", "bfloat16").draft_dtype == "bfloat16"
+    assert engine_config().sampling_rule == "auto" and engine_config("--sampling-rule", "top1").sampling_rule == "top1"

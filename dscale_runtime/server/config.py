@@ -78,6 +78,9 @@ class ServeConfig:
     a bf16 drafter beside an fp32 target is faster on a CPU."""
     seed: int = 0
     """Seed of the engine's random stream for requests without a seed."""
+    sampling_rule: str = "auto"
+    """Acceptance rule of sampled requests: 'top1' (the paper's; seeded output equals target-only sampling),
+    'sampled' (drafts sampled from the drafter, z-lab's) or 'auto' (EngineConfig.sampling_rule)."""
     log_level: str = "info"
     """uvicorn log level ('warning' keeps the console quiet)."""
 
