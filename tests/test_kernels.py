@@ -19,12 +19,10 @@ from markers import needs_cuda, needs_triton
 from dscale_runtime.attention import build_metadata, paged_attention_ref
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.kernels import (
-    KernelChoice,
     attention_backend,
     heads_per_program,
     paged_attention,
     tile_rows_for,
-    triton_available,
 )
 
 W = 16  # verification block
@@ -192,16 +190,6 @@ def test_query_bounds_derived_on_device():
 
 
 # ----------------------------------------------------------------------------------- Triton interpreter
-@pytest.fixture
-def interpreter():
-    if not triton_available():
-        pytest.skip("triton is not installed")
-    from dscale_runtime.kernels import triton_attention
-
-    if not triton_attention.interpreted():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 (CUDA machine: the gpu tests run instead)")
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_interpreter_matches_ref(interpreter, case):
     check_against_ref(case, torch.float32, "cpu", atol=1e-5)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from markers import needs_cuda, needs_triton
-from dscale_runtime.kernels import KernelChoice, fused, triton_available
+from dscale_runtime.kernels import KernelChoice, fused
 from dscale_runtime.kernels.fused import (
     add_rms_norm,
     add_rms_norm_ref,
@@ -39,20 +39,6 @@ EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]
 NORM_SHAPES = [(0, 64), (1, 4096), (17, 384), (2, 8192), (5, 128)]  # (T, d)
 HEAD_SHAPES = [(0, 4, 2, 128), (1, 4, 2, 128), (17, 4, 2, 64), (9, 6, 2, 128)]  # (T, H, KVH, D)
-
-
-@pytest.fixture
-def interpreter():
-    if not triton_available():
-        pytest.skip("triton is not installed")
-    from dscale_runtime.kernels import triton_fused
-
-    if not triton_fused.interpreted():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 (CUDA machine: the gpu tests run instead)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # NOTE: torch's CPU threads and the interpreter's numpy work slow each other down
-    yield
-    torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------ inputs

@@ -452,16 +452,6 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def interpreter():
-    if not triton_available():
-        pytest.skip("triton is not installed")
-    from dscale_runtime.kernels import triton_fused
-
-    if not triton_fused.interpreted():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1 (CUDA machine: the gpu tests run instead)")
-
-
 @torch.no_grad()
 def test_use_kernels_sends_every_layer_through_the_choice(target_pair, interpreter, kernel_calls):
     """use_kernels on a built (fused-projection) target: every layer's attention and elementwise ops run the

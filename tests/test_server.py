@@ -248,6 +248,22 @@ def test_client_disconnect_aborts_the_request_and_frees_its_cache(tiny_server, t
 
 
 # ---------------------------------------------------------------------------------------------- load
+def run_clients(url: str, jobs: list, one, clients: int, timeout: float) -> None:
+    """`clients` concurrent HTTP clients (one connection each) take jobs off the list until it is empty:
+    `await one(http, job)` per job."""
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while jobs:
+            await one(http, jobs.pop(0))
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+            await asyncio.gather(*(worker(http) for _ in range(clients)))
+
+    asyncio.run(main())
+
+
 def test_256_requests_from_64_clients_equal_sequential_greedy(demo_server, demo_reference):
     prompts = short_prompts(32)
     limits = [16 + 8 * (i % 2) for i in range(len(prompts))]
@@ -272,16 +288,7 @@ def test_256_requests_from_64_clients_equal_sequential_greedy(demo_server, demo_
                     reason = choice["finish_reason"] or reason
         results[j] = (response.status_code, "".join(text), reason)
 
-    async def worker(http: httpx.AsyncClient) -> None:
-        while jobs:
-            await one(http, jobs.pop(0))
-
-    async def main() -> None:
-        limits_ = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        async with httpx.AsyncClient(base_url=demo_server.url, limits=limits_, timeout=300) as http:
-            await asyncio.gather(*(worker(http) for _ in range(64)))
-
-    asyncio.run(main())
+    run_clients(demo_server.url, jobs, one, clients=64, timeout=300)
     assert len(results) == 256
     for j, (status, text, reason) in sorted(results.items()):
         ref = want[j % len(prompts)]

@@ -25,7 +25,7 @@ from dscale_runtime.server.main import BackgroundServer
 from dscale_runtime.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from dscale_runtime.server.templates import PromptBuilder
 from test_server import CHAT_TEMPLATE, KEY, TINY_LEN, assert_still_answers, tiny_pair, tiny_reference  # noqa: F401 (fixtures)
-from test_server import all_pages_free, wait_until
+from test_server import all_pages_free, run_clients, wait_until
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 VOCAB = 96  # tests/checkpoints.py write_target's default
@@ -427,16 +427,7 @@ def test_256_requests_from_64_clients_10_percent_poisoned(trusting_server, tiny_
                     text.append(json.loads(line[6:])["choices"][0]["text"])
         results[j] = (response.status_code, "".join(text), want[i].text)
 
-    async def worker(http: httpx.AsyncClient) -> None:
-        while jobs:
-            await one(http, jobs.pop(0))
-
-    async def main() -> None:
-        limits_ = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        async with httpx.AsyncClient(base_url=trusting_server.url, limits=limits_, timeout=120) as http:
-            await asyncio.gather(*(worker(http) for _ in range(64)))
-
-    asyncio.run(main())
+    run_clients(trusting_server.url, jobs, one, clients=64, timeout=120)
     assert len(results) == 256 and len(poisoned) == 26
     innocent = {j: r for j, r in results.items() if j not in poisoned}
     failed = {j: r[0] for j, r in innocent.items() if r[0] != 200}
