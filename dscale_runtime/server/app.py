@@ -6,6 +6,10 @@ JSON (400: syntax, UTF-8, nesting, integer size, lone surrogates), fields (400, 
 tokenized in a thread pool (`templates.PromptBuilder`), against the context limit (400). None of these touch
 other requests. Every error answer has OpenAI's shape and an `X-Request-Id` header; a 500 names the request
 id and never the exception (the log has it, under the same id).
+
+Behind sglang-router (data-parallel serving, `data_parallel.py`) the server also answers what the router asks of
+its workers: `/server_info` (the served model name), `/model_info`, `/get_load`; and the SGLang options the
+router writes into every body it forwards are accepted at their no-op values (`ROUTER_NO_OP_FIELDS`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 import uuid
 from collections import Counter
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +40,11 @@ log = logging.getLogger("dscale.serve")
 
 OPEN_PATHS = ("/health",)
 """Routes answered without the API key."""
+ROUTER_NO_OP_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
+                       "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}
+"""SGLang request options sglang-router adds to every body it forwards, at values that describe what this server
+does anyway (stop strings trimmed, special tokens skipped, no hidden states, no reasoning parser): dropped before
+the strict parse. Any other value is refused, naming the field."""
 
 
 class ServerState:
@@ -134,7 +144,8 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
             message = (f"no route {request.method} {request.url.path}; this server answers /v1/completions, "
-                       "/v1/chat/completions, /v1/models, /health and /metrics")
+                       "/v1/chat/completions, /v1/models, /health, /metrics, /server_info, /model_info and "
+                       "/get_load")
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
@@ -178,6 +189,26 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/server_info")
+    async def server_info():
+        # NOTE: no model_path: sglang-router would load a tokenizer from it, and it needs none for HTTP workers.
+        return {"served_model_name": state.model, "mode": engine.config.mode, "version": package_version(),
+                "max_running_requests": engine.config.max_running_requests,
+                "max_total_tokens": engine.allocator.page_size * (engine.allocator.num_pages - 1),
+                "max_model_len": engine.config.max_model_len}
+
+    @app.get("/model_info")
+    async def model_info():
+        return {"is_generation": True, "model_type": "qwen3", "architectures": [type(engine.target).__name__]}
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's load report (one entry per data-parallel rank; one here); power_of_two routing reads it."""
+        allocator = engine.allocator
+        used_tokens = allocator.page_size * (allocator.num_pages - 1 - allocator.num_free)
+        return [{"dp_rank": 0, "num_reqs": engine.num_running + engine.num_waiting,
+                 "num_waiting_reqs": engine.num_waiting, "num_tokens": used_tokens}]
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [model_card()]}
@@ -188,7 +219,7 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
         return model_card()
 
     async def parse(request: Request, body_type):
-        body = protocol.parse_body(body_type, await read_json(request))
+        body = protocol.parse_body(body_type, drop_router_no_ops(await read_json(request)))
         check_model(body.model)
         body.refuse_unsupported()
         body.check_limits(state.limits)
@@ -328,6 +359,27 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
                 state.worker.abort(sub.request_id)
 
     return app
+
+
+def package_version() -> str:
+    try:
+        return version("dscale")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def drop_router_no_ops(body):
+    """`body` without the `ROUTER_NO_OP_FIELDS` that hold their no-op value (400 for any other value)."""
+    if not isinstance(body, dict):
+        return body
+    for name, no_op in ROUTER_NO_OP_FIELDS.items():
+        if name in body:
+            value = body[name]
+            if type(value) is not bool or value != no_op:
+                raise ApiError(400, f"{name}={json.dumps(value)} is not supported: this server always behaves as "
+                                    f"{name}={json.dumps(no_op)} (SGLang's option; leave it out)", name)
+            body = {k: v for k, v in body.items() if k != name}
+    return body
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -11,6 +11,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_TARGET = REPO_ROOT / "artifacts" / "demo" / "target"
 DEMO_DRAFTER = REPO_ROOT / "artifacts" / "demo" / "drafter"
 DEMO_PREDICTOR = REPO_ROOT / "artifacts" / "demo.pt"
+ROUTER_POLICIES = ("round_robin", "power_of_two", "random", "cache_aware")
+"""sglang-router's policies for a data-parallel dscale-serve (`--router-policy`)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,10 @@ class ServeConfig:
     """DScale: steps with at most this many running requests verify all 16 slots without the predictor
     (the DFlash step), where the decision costs more than it saves; 0 = always decide. The default keeps a
     lone request at full width (8 rows lose drafts there); profile larger values per model and GPU."""
+    dscale_policy: str = "measured"
+    """DScale with step graphs: 'measured' times every bucket's DFlash and DScale steps at start-up and decides
+    only where that is faster (the log shows the choice); 'always' decides in every bucket above
+    --full-width-max-batch."""
     measure_retention: bool = False
     """DScale: also run full-width verification to report retention in /metrics (costs a second forward)."""
     step_graphs: bool | None = None
@@ -83,6 +89,28 @@ class ServeConfig:
     'sampled' (drafts sampled from the drafter, z-lab's) or 'auto' (EngineConfig.sampling_rule)."""
     log_level: str = "info"
     """uvicorn log level ('warning' keeps the console quiet)."""
+    data_parallel_size: int = 1
+    """Engine replicas, each a dscale-serve process on its own port (replica i on --port + 1 + i), behind
+    sglang-router on --host/--port (pip install -e '.[distributed]'); a replica that exits is restarted. 1: one
+    engine served directly; 0: no local replica, only the router in front of --worker-urls."""
+    data_parallel_gpus: str | None = None
+    """With --device cuda and --data-parallel-size N: the GPU of each replica, comma-separated (as numbered in
+    CUDA_VISIBLE_DEVICES), e.g. '0,1,2,3', or '0,0' for two replicas sharing GPU 0; default: replica i on GPU
+    i mod the number of GPUs."""
+    worker_urls: str | None = None
+    """Comma-separated URLs of dscale-serve replicas running elsewhere (other nodes) that the router serves besides
+    its own --data-parallel-size replicas."""
+    router: bool = True
+    """With --data-parallel-size: start sglang-router on --port in front of the replicas; false: only the replicas
+    and their supervisor (for a router on another node that lists them in its --worker-urls)."""
+    router_policy: str = "round_robin"
+    """sglang-router's choice of replica: 'round_robin', 'power_of_two' (the less loaded of two, from /get_load),
+    'random' or 'cache_aware' (prompt-prefix affinity; the engine keeps no prefix cache, so it gains nothing)."""
+    router_metrics_port: int | None = None
+    """Port of the router's own Prometheus metrics (smg_*); default: --port + N + 1 with N replicas. Every
+    replica's /metrics, merged and labelled worker_addr, is served at the router's GET /engine_metrics."""
+    router_args: str | None = None
+    """Further sglang-router flags, passed on as written (e.g. --router-args='--health-check-interval-secs 10')."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,6 +127,50 @@ class ServeConfig:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty (leave the flag out to serve without a key)")
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        if self.data_parallel_size < 0:
+            raise ValueError(f"--data-parallel-size must be >= 0, got {self.data_parallel_size}")
+        if self.data_parallel_size == 0 and not (self.worker_urls and self.router):
+            raise ValueError("--data-parallel-size 0 starts only the router: give it --worker-urls URL,URL,...")
+        if self.worker_urls is not None:
+            if not self.router:
+                raise ValueError("--worker-urls are the router's replicas: leave out --router false")
+            if not self.worker_url_list:
+                raise ValueError("--worker-urls is empty: give URL,URL,... or leave the flag out")
+            for url in self.worker_url_list:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"--worker-urls: '{url}' is not an http:// or https:// URL")
+        if self.data_parallel_gpus is not None:
+            gpus = self.data_parallel_gpus.split(",")
+            if len(gpus) != self.data_parallel_size or not all(g.strip().isdigit() for g in gpus):
+                raise ValueError(f"--data-parallel-gpus must list one GPU number per replica ({self.data_parallel_size}"
+                                 f" for --data-parallel-size), e.g. '0,1' or '0,0'; got '{self.data_parallel_gpus}'")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"--router-policy must be one of {', '.join(ROUTER_POLICIES)}, got '{self.router_policy}'")
+        if self.data_parallel and self.port + self.data_parallel_size + 1 > 65535:
+            raise ValueError(f"--port {self.port}: the replicas and the router's metrics take the ports up to --port + "
+                             f"{self.data_parallel_size + 1}; choose a lower --port")
+        if self.router_metrics_port is not None and not 0 <= self.router_metrics_port < 65536:
+            raise ValueError(f"--router-metrics-port must be in [0, 65535], got {self.router_metrics_port}")
+        if not self.data_parallel:
+            given = [flag for flag, value in (("--data-parallel-gpus", self.data_parallel_gpus),
+                                              ("--router-policy", self.router_policy != "round_robin" or None),
+                                              ("--router-metrics-port", self.router_metrics_port),
+                                              ("--router-args", self.router_args)) if value is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to data-parallel serving: add --data-parallel-size N "
+                                 "(N > 1), or --worker-urls")
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether dscale-serve starts replicas and a router (data_parallel.py) rather than one engine."""
+        return self.data_parallel_size != 1 or self.worker_urls is not None or not self.router
+
+    @property
+    def worker_url_list(self) -> list[str]:
+        return [url.strip().rstrip("/") for url in (self.worker_urls or "").split(",") if url.strip()]
 
     @property
     def target_path(self) -> Path:

@@ -1,4 +1,5 @@
-"""`dscale-serve`: load the engine named by the flags and serve it over HTTP with uvicorn."""
+"""`dscale-serve`: load the engine named by the flags and serve it over HTTP with uvicorn (or, with
+--data-parallel-size N, start N such servers behind sglang-router: `data_parallel.py`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def load_engine(config: ServeConfig, engine_cls=None):
     engine_config = EngineConfig(
         mode=config.mode, max_running_requests=config.max_running_requests, max_model_len=max_model_len,
         kv_cache_tokens=config.kv_cache_tokens, budget_ratio=config.budget_ratio,
-        full_width_max_batch=config.full_width_max_batch,
+        full_width_max_batch=config.full_width_max_batch, dscale_policy=config.dscale_policy,
         step_graphs=config.step_graphs if config.step_graphs is not None else config.device.startswith("cuda"),
         measure_retention=config.measure_retention and config.mode == "dscale", device=config.device,
         dtype=config.dtype, draft_dtype=config.draft_dtype, seed=config.seed,
@@ -81,6 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(ServeConfig, "dscale-serve", argv,
                           "OpenAI-compatible server for DScale / DFlash / target-only decoding.")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if config.data_parallel:
+        from dscale_runtime.server.data_parallel import serve
+
+        try:
+            return serve(config)
+        except (RuntimeError, ValueError) as exc:
+            sys.exit(f"dscale-serve: {exc}")
     try:
         engine = load_engine(config)
         app = build_app(engine, config)
