@@ -3,6 +3,11 @@
 The split is by prompt id (every record of a prompt lands in one split), stratified by dataset, and
 deterministic for a seed: within each dataset the sorted prompt ids are shuffled by a seeded generator
 and cut into train / val / test fractions.
+
+Batches are the same on any number of devices (DDP): `GlobalBatches` draws one device's batches of
+`batch_size` records (a seeded permutation per epoch for training, logged order for validation) and hands every
+rank its contiguous part of each, so the devices together see exactly the records one device would, step by
+step; `PredictorModule` weighs each part so that DDP's gradient average is the global batch's mean.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import lightning as L
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 class TraceError(ValueError):
@@ -101,12 +106,46 @@ class TraceDataModule(L.LightningDataModule):
 
     def _loader(self, name: str, shuffle: bool) -> DataLoader:
         part = self.splits[name]
-        data = TensorDataset(torch.from_numpy(part.features), torch.from_numpy(part.accepted))
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(data, batch_size=self.batch_size, shuffle=shuffle, generator=gen if shuffle else None)
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        batches = GlobalBatches(len(part), self.batch_size, rank, world, shuffle, self.seed)
+        # NOTE: batch_size=None: the sampler's items are whole batches, handed to RecordBatches as they are.
+        return DataLoader(RecordBatches(part), sampler=batches, batch_size=None)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", False)
+
+
+class GlobalBatches(Sampler):
+    """One device's batches of an epoch, each cut into `world` contiguous parts; yields (this rank's part: record
+    indices [n_r], the global batch's size). Every rank holds the same generator, so they agree on the batches."""
+
+    def __init__(self, num_records: int, batch_size: int, rank: int, world: int, shuffle: bool, seed: int) -> None:
+        self.num_records, self.batch_size, self.shuffle = num_records, batch_size, shuffle
+        self.rank, self.world = rank, world
+        self.generator = torch.Generator().manual_seed(seed)  # advances one permutation per epoch
+
+    def __len__(self) -> int:
+        return -(-self.num_records // self.batch_size)
+
+    def __iter__(self):
+        order = torch.randperm(self.num_records, generator=self.generator) if self.shuffle else torch.arange(
+            self.num_records)  # [R]
+        for batch in order.split(self.batch_size):
+            # NOTE: parts differ in size by at most one (and are empty on some ranks when the batch is smaller than
+            # the world); the loss weighs records by the global size, so that is exact.
+            yield batch.tensor_split(self.world)[self.rank], len(batch)
+
+
+class RecordBatches(Dataset):
+    """Records by index batch: item (indices [n], global batch size) -> (features [n, F], accepted [n], size)."""
+
+    def __init__(self, part: Traces) -> None:
+        self.features = torch.from_numpy(part.features)
+        self.accepted = torch.from_numpy(part.accepted)
+
+    def __getitem__(self, item: tuple[torch.Tensor, int]):
+        index, global_size = item
+        return self.features[index], self.accepted[index], global_size

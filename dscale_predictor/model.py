@@ -1,7 +1,12 @@
 """The LightningModule: the runtime's `AcceptancePredictor` trained with the DESIGN 3.2 loss.
 
 Position label j = 1 if the full-width accepted count y >= j. Loss = mean BCE over the positions +
-0.02 x MSE between the raw sum of sigmoids (before monotonicity) and y.
+0.02 x MSE between the raw sum of sigmoids (before monotonicity) and y, i.e. the mean over records of each
+record's BCE mean + 0.02 x squared error.
+
+Under DDP (any number of devices and nodes) a rank gets its part of the one-device batch (data.GlobalBatches);
+its loss is its records' sum x world / global batch size, so DDP's average of the ranks' gradients is the
+gradient of the global batch's mean: the same steps as on one device, up to float summation order.
 """
 
 from __future__ import annotations
@@ -23,11 +28,17 @@ def position_labels(accepted: torch.Tensor, num_positions: int) -> torch.Tensor:
     return (accepted[:, None] >= j[None, :]).float()
 
 
-def predictor_loss(logits: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+def record_losses(logits: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """logits [N, P], accepted [N] -> [N]: each record's mean BCE over the positions + 0.02 x squared count error."""
     labels = position_labels(accepted, logits.shape[1])
-    bce = F.binary_cross_entropy_with_logits(logits, labels)
-    mse = F.mse_loss(torch.sigmoid(logits).sum(-1), accepted.float())
-    return bce + MSE_WEIGHT * mse
+    bce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(-1)
+    squared = (torch.sigmoid(logits).sum(-1) - accepted.float()) ** 2
+    return bce + MSE_WEIGHT * squared
+
+
+def predictor_loss(logits: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """The DESIGN 3.2 loss of a batch: the mean of `record_losses`."""
+    return record_losses(logits, accepted).mean()
 
 
 class PredictorModule(L.LightningModule):
@@ -40,15 +51,22 @@ class PredictorModule(L.LightningModule):
             self.model.norm_mean.copy_(torch.as_tensor(mean))
             self.model.norm_std.copy_(torch.as_tensor(std))
 
+    def _losses(self, batch, name: str) -> tuple[torch.Tensor, int]:
+        """This rank's part of a global batch -> (its records' loss sum, the global batch size); logs the mean."""
+        x, y, global_size = batch  # [n, F], [n], int
+        total = record_losses(self.model(x), y).sum()
+        # NOTE: a weighted mean over batches and ranks (sync_dist): the mean over all records, as on one device;
+        # a rank with no records this step logs 0 with weight 0.
+        self.log(name, total / max(len(y), 1), batch_size=len(y), prog_bar=True, on_step=False, on_epoch=True,
+                 sync_dist=True)
+        return total, global_size
+
     def training_step(self, batch, _):
-        x, y = batch
-        loss = predictor_loss(self.model(x), y)
-        self.log("train_loss", loss, prog_bar=True, on_step=False, on_epoch=True)
-        return loss
+        total, global_size = self._losses(batch, "train_loss")
+        return total * (self.trainer.world_size / global_size)  # DDP averages over ranks: the global batch's mean
 
     def validation_step(self, batch, _):
-        x, y = batch
-        self.log("val_loss", predictor_loss(self.model(x), y), prog_bar=True, on_epoch=True)
+        self._losses(batch, "val_loss")
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

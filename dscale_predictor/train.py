@@ -3,6 +3,12 @@
 Reads the `train:` section of `configs/<target>.yaml`, command-line overrides on top, and saves the
 resolved config beside the outputs in `<run_dir>/`: Lightning CSV logs (curves), the best checkpoint,
 `report.json`, PNG plots; then `artifacts/<export_name>.pt` and `.onnx`.
+
+Several devices or nodes: `--devices N --strategy ddp [--num-nodes M]` (Lightning starts one process per device
+from this same command, or runs inside torchrun's / SLURM's processes). `batch_size` stays the records per
+optimiser step: each of the N x M processes takes batch_size / (N x M) of every batch (data.GlobalBatches), so
+the steps, and the results, are those of one device up to float summation order. Rank 0 alone writes the
+config, the report and the artifacts.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from dscale_predictor.evaluate import evaluate
 from dscale_predictor.export import export_onnx, export_pt
 from dscale_predictor.model import PredictorModule
 
+# Lightning strategies whose workers are spawned from inside this Python process: after fit it holds the weights
+# but not the loop state (epochs run) the report needs.
+SPAWNING_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -44,7 +54,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay."""
     batch_size: int = 1024
-    """Records per optimiser step."""
+    """Records per optimiser step, on any number of devices (each of D devices takes batch_size / D of it)."""
     max_epochs: int = 30
     """Upper bound on epochs (early stopping on val_loss usually ends sooner)."""
     patience: int = 4
@@ -61,20 +71,37 @@ class TrainConfig:
     """Verification budget of the retention evaluation (0.5 = 8N for W = 16)."""
     accelerator: str = "auto"
     """Lightning accelerator (cpu, gpu, auto)."""
+    devices: int | str = 1
+    """Lightning devices per node: a count, 'auto', or GPU indices ('0,1'); more than one trains with DDP."""
+    strategy: str = "auto"
+    """Lightning strategy: 'auto' or 'ddp' (one process per device, started by Lightning from this command or by
+    torchrun / SLURM); strategies that spawn workers from inside Python (ddp_spawn, ddp_fork, ddp_notebook) are
+    refused: the report needs the loop state of the process that trained."""
+    num_nodes: int = 1
+    """Lightning nodes (machines) of the run, each with `devices` processes."""
     target_path: str | None = None
     """Target folder for the artifact's identity (None: the one recorded in the trace manifest)."""
     drafter_path: str | None = None
     """Drafter folder for the artifact's identity (None: the one recorded in the trace manifest)."""
 
+    def __post_init__(self) -> None:
+        if self.strategy.startswith(SPAWNING_STRATEGIES):
+            raise ValueError(f"strategy '{self.strategy}' is not supported: use --strategy ddp (Lightning starts one "
+                             "process per device from this command) or launch dscale-train with torchrun")
+        if self.num_nodes < 1:
+            raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
-def train(cfg: TrainConfig) -> dict:
+
+def train(cfg: TrainConfig) -> dict | None:
+    """Train, evaluate and export; returns the report (None on the other ranks of a multi-device run)."""
     import lightning as L
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     dm = TraceDataModule(cfg.traces, (1 - cfg.val_fraction - cfg.test_fraction, cfg.val_fraction,
                                       cfg.test_fraction), cfg.seed, cfg.batch_size)
@@ -84,16 +111,24 @@ def train(cfg: TrainConfig) -> dict:
     identity, projection = _identity(cfg, manifest, spec)
     module = PredictorModule(spec.to_dict(), tuple(cfg.hidden_sizes), cfg.lr, cfg.weight_decay, dm.mean, dm.std)
     params = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
-    print(f"dscale-train: predictor with {params:,} trainable parameters; records train/val/test = "
-          f"{len(dm.splits['train'])}/{len(dm.splits['val'])}/{len(dm.splits['test'])}", flush=True)
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor="val_loss", mode="min", save_top_k=1)
-    trainer = L.Trainer(max_epochs=cfg.max_epochs, accelerator=cfg.accelerator, devices=1, deterministic=True,
-                        logger=CSVLogger(run_dir, name="logs", version=""), enable_progress_bar=False,
-                        callbacks=[checkpoint, EarlyStopping("val_loss", patience=cfg.patience, mode="min")],
-                        enable_model_summary=False)
+    # NOTE: use_distributed_sampler=False: the data module cuts every batch across the ranks itself (GlobalBatches);
+    # Lightning's DistributedSampler would give each rank other records, in another order, than one device sees.
+    trainer = L.Trainer(max_epochs=cfg.max_epochs, accelerator=cfg.accelerator, devices=cfg.devices,
+                        strategy=cfg.strategy, num_nodes=cfg.num_nodes, use_distributed_sampler=False,
+                        deterministic=True, logger=CSVLogger(run_dir, name="logs", version=""),
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[checkpoint, EarlyStopping("val_loss", patience=cfg.patience, mode="min")])
+    if trainer.is_global_zero:
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        print(f"dscale-train: predictor with {params:,} trainable parameters; records train/val/test = "
+              f"{len(dm.splits['train'])}/{len(dm.splits['val'])}/{len(dm.splits['test'])}; "
+              f"{trainer.world_size} process(es), {cfg.batch_size} records per step", flush=True)
     start = time.time()
     trainer.fit(module, datamodule=dm)
     seconds = time.time() - start
+    if not trainer.is_global_zero:
+        return None  # the other ranks of a DDP run: rank 0 evaluates and exports
     best = PredictorModule.load_from_checkpoint(checkpoint.best_model_path, map_location="cpu", weights_only=False)
     model = best.model.cpu().eval()
     test = dm.splits["test"]

@@ -5,6 +5,12 @@ For each concurrency c, the prompts are cut into fixed chunks; each chunk is dec
 feature module, the accepted draft count as the label, ids) become one Parquet shard, written atomically.
 A rerun of the same command skips the shards that exist, so a crash loses at most the chunk in flight and
 duplicates nothing; decoding is deterministic, so the resumed dataset equals an uninterrupted one.
+
+Several workers (`--num-workers N` on this node, or torchrun on a cluster: trace_collection/workers.py) share one
+trace folder: rank 0 checks or creates the manifest and lists the unfinished chunks, worker r decodes items
+r, r + N, ... of that list and writes their shards, and rank 0 writes the final counts once all are done. A chunk's
+records do not depend on which worker decoded it or what it decoded before, so any number of workers, and any
+mix of interrupted runs, gives the records of one uninterrupted worker.
 """
 
 from __future__ import annotations
@@ -17,10 +23,13 @@ from dataclasses import asdict, dataclass, field
 
 
 from trace_collection.sources import DatasetSpec, format_prompt, load_prompts
-from trace_collection.store import TraceStore, model_files, write_json_atomic
+from trace_collection.store import TraceFolderError, TraceStore, model_files, write_json_atomic
+from trace_collection.workers import Workers, env_rank, launch_local, launched, worker_group
 
-# Fields that do not change the records: where they go and how progress is shown.
-NOT_IDENTITY = ("output", "progress", "log_records")
+# Fields that do not change the records: where they go, how progress is shown, how many workers decode them.
+NOT_IDENTITY = ("output", "progress", "log_records", "num_workers")
+# How long a worker waits to see rank 0's new manifest.json (a network filesystem may show a new file late).
+SHARED_FOLDER_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -59,12 +68,18 @@ class CollectConfig:
     """Show a progress bar."""
     log_records: bool = True
     """Write records (False only measures the cost of logging: nothing is written)."""
+    num_workers: int = 1
+    """Workers on this node, launched through torchrun (`--standalone --nproc-per-node N`); with `device: cuda`
+    worker i decodes on cuda:i. Leave at 1 under an outside torchrun launch (a cluster): its workers read
+    RANK / WORLD_SIZE / LOCAL_RANK. Not part of the collection's identity: the records are the same."""
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"concurrency must be a non-empty list of positive levels, got {self.concurrency}")
         if self.chunk_prompts < 1:
             raise ValueError(f"chunk_prompts must be >= 1, got {self.chunk_prompts}")
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.chat_template not in ("auto", "on", "off"):
             raise ValueError(f"chat_template must be auto, on or off, got '{self.chat_template}'")
         specs = [d if isinstance(d, DatasetSpec) else DatasetSpec(**d) for d in self.datasets]
@@ -79,7 +94,12 @@ def _prompt_digest(prompts: list[dict]) -> str:
 
 
 def collect(cfg: CollectConfig) -> dict:
-    """Run (or resume) a collection; returns the final manifest."""
+    """Run (or resume) a collection, as one worker of a launch when started by one; returns the final manifest."""
+    with worker_group(cfg.num_workers) as workers:
+        return _collect(cfg, workers)
+
+
+def _collect(cfg: CollectConfig, workers: Workers) -> dict:
     from dscale_runtime.config import EngineConfig, SamplingParams
     from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
     from dscale_runtime.engine import Engine
@@ -87,12 +107,77 @@ def collect(cfg: CollectConfig) -> dict:
     prompts = []
     for spec in cfg.datasets:
         prompts += load_prompts(spec)[: cfg.max_prompts]
-    engine_cfg = EngineConfig(mode="dflash", max_running_requests=max(cfg.concurrency), device=cfg.device,
-                              dtype=cfg.dtype, max_model_len=cfg.max_model_len, seed=cfg.seed)
+    engine_cfg = EngineConfig(mode="dflash", max_running_requests=max(cfg.concurrency),
+                              device=workers.device(cfg.device), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                              seed=cfg.seed)
     engine = Engine.from_pretrained(cfg.target, cfg.drafter, config=engine_cfg)
     spec = FeatureSpec(num_positions=engine.block_size - 1)
-    projection = hidden_projection(spec, engine.drafter.config.layers.hidden_size)
-    identity = {
+    store = TraceStore(cfg.output)
+    tokenizer = engine.tokenizer
+    texts = [format_prompt(tokenizer, p["prompt"], cfg.chat_template) if tokenizer else p["prompt"] for p in prompts]
+    token_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    keep = [i for i, ids in enumerate(token_ids) if len(ids) + 1 < cfg.max_model_len]
+    if len(keep) < len(prompts) and workers.rank == 0:
+        print(f"dscale-collect: skipping {len(prompts) - len(keep)} prompts longer than max_model_len "
+              f"{cfg.max_model_len}", file=sys.stderr)
+    chunks = [keep[i : i + cfg.chunk_prompts] for i in range(0, len(keep), cfg.chunk_prompts)]
+    work = [(c, k) for c in cfg.concurrency for k in range(len(chunks))]
+    # NOTE: rank 0 alone opens the folder and lists what is left, before any worker writes: a list made by each
+    # worker could see shards another had already written and so share the plan differently.
+    manifest = plan = None
+    if workers.rank == 0:
+        try:
+            identity = _identity(cfg, spec, hidden_projection(spec, engine.drafter.config.layers.hidden_size), prompts)
+            manifest = store.open(identity) if cfg.log_records else identity
+            plan = ("ok", [(c, k) for c, k in work if not (cfg.log_records and store.has_shard(c, k))])
+        except TraceFolderError as exc:
+            plan = ("error", str(exc))
+    status, todo = workers.broadcast(plan)
+    if status == "error":
+        workers.barrier()  # every worker has the message: all stop with it, none waits for a peer that left
+        raise TraceFolderError(todo)
+    if cfg.log_records and not _appears(store.manifest_path, SHARED_FOLDER_WAIT_S):
+        raise TraceFolderError(f"{store.manifest_path}: worker {workers.rank} does not see the manifest rank 0 wrote; "
+                               "--output must be one folder that every node of the launch sees (a shared filesystem)")
+    mine = workers.share(todo)
+    bar = _progress(cfg, sum(len(chunks[k]) for _, k in mine), len(work) - len(todo), workers)
+    stats = {"steps": 0, "tokens": 0, "accepted": 0, "request_steps": 0, "start": time.time()}
+    for c, k in mine:
+        rows = _run_chunk(engine, cfg, c, k, chunks[k], prompts, token_ids, stats, bar, SamplingParams)
+        if cfg.log_records:
+            store.write_shard(c, k, rows, spec.width)
+            if workers.rank == 0:  # NOTE: only rank 0 writes manifest.json; it counts every worker's shards so far
+                manifest = store.update_counts(manifest)
+    if bar is not None:
+        bar.close()
+    figures = {"rank": workers.rank, "shards": len(mine), "decode_steps": stats["steps"],
+               "generated_tokens": stats["tokens"], "request_steps": stats["request_steps"]}
+    by_worker = workers.gather(figures)
+    if workers.rank == 0:
+        manifest = store.update_counts(manifest) if cfg.log_records else manifest
+        manifest.setdefault("counts", {})
+        manifest["run"] = {"seconds": round(time.time() - stats["start"], 2), "workers": workers.world,
+                           **{key: sum(f[key] for f in by_worker)
+                              for key in ("decode_steps", "generated_tokens", "request_steps")}}
+        if workers.world > 1:
+            manifest["run"]["by_worker"] = by_worker
+        if cfg.log_records:
+            write_json_atomic(store.manifest_path, manifest)
+    return workers.broadcast(manifest)
+
+
+def _appears(path, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while not path.is_file():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def _identity(cfg: CollectConfig, spec, projection, prompts: list[dict]) -> dict:
+    """What a trace folder must agree on with the run that extends it (manifest keys)."""
+    return {
         "feature_spec": spec.to_dict(),
         "feature_width": spec.width,
         "feature_names": spec.names(),
@@ -101,33 +186,6 @@ def collect(cfg: CollectConfig) -> dict:
         "config": {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in NOT_IDENTITY},
         "prompts": {"count": len(prompts), "sha256": _prompt_digest(prompts)},
     }
-    store = TraceStore(cfg.output)
-    manifest = store.open(identity) if cfg.log_records else identity
-    tokenizer = engine.tokenizer
-    texts = [format_prompt(tokenizer, p["prompt"], cfg.chat_template) if tokenizer else p["prompt"] for p in prompts]
-    token_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    keep = [i for i, ids in enumerate(token_ids) if len(ids) + 1 < cfg.max_model_len]
-    if len(keep) < len(prompts):
-        print(f"dscale-collect: skipping {len(prompts) - len(keep)} prompts longer than max_model_len "
-              f"{cfg.max_model_len}", file=sys.stderr)
-    chunks = [keep[i : i + cfg.chunk_prompts] for i in range(0, len(keep), cfg.chunk_prompts)]
-    work = [(c, k) for c in cfg.concurrency for k in range(len(chunks))]
-    todo = [(c, k) for c, k in work if not (cfg.log_records and store.has_shard(c, k))]
-    bar = _progress(cfg, sum(len(chunks[k]) for _, k in todo), len(work) - len(todo))
-    stats = {"steps": 0, "tokens": 0, "accepted": 0, "request_steps": 0, "start": time.time()}
-    for c, k in todo:
-        rows = _run_chunk(engine, cfg, c, k, chunks[k], prompts, token_ids, stats, bar, SamplingParams)
-        if cfg.log_records:
-            store.write_shard(c, k, rows, spec.width)
-            manifest = store.update_counts(manifest)
-    if bar is not None:
-        bar.close()
-    manifest.setdefault("counts", {})
-    manifest["run"] = {"seconds": round(time.time() - stats["start"], 2), "decode_steps": stats["steps"],
-                       "generated_tokens": stats["tokens"], "request_steps": stats["request_steps"]}
-    if cfg.log_records:
-        write_json_atomic(store.manifest_path, manifest)
-    return manifest
 
 
 def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk_index: int, chunk: list[int], prompts: list[dict],
@@ -186,17 +244,18 @@ def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk_index: int, c
     return columns
 
 
-def _progress(cfg: CollectConfig, total: int, done_shards: int):
+def _progress(cfg: CollectConfig, total: int, done_shards: int, workers: Workers):
     if not cfg.progress:
         return None
     from tqdm import tqdm
 
-    desc = "prompts" + (f" (resumed: {done_shards} shards already written)" if done_shards else "")
-    return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr)
+    desc = (f"worker {workers.rank}: " if workers.world > 1 else "") + "prompts"
+    desc += f" (resumed: {done_shards} shards already written)" if done_shards else ""
+    return tqdm(total=total, desc=desc, unit="prompt", file=sys.stderr, position=workers.local_rank)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`dscale-collect --config configs/demo.yaml [--max-prompts N] [--concurrency [8,16]] ...`"""
+    """`dscale-collect --config configs/demo.yaml [--max-prompts N] [--concurrency [8,16]] [--num-workers N] ...`"""
     from dscale_runtime.cli import pre_parse, section_parser
 
     argv = sys.argv[1:] if argv is None else argv
@@ -211,8 +270,12 @@ def main(argv: list[str] | None = None) -> None:
         config = CollectConfig(**values)
     except ValueError as exc:
         parser.error(str(exc))
+    if config.num_workers > 1 and not launched():
+        launch_local(config.num_workers, argv)  # this same command in N workers; rank 0 prints the summary
+        return
     manifest = collect(config)
-    print(json.dumps({"output": values["output"], "counts": manifest.get("counts"), "run": manifest.get("run")}))
+    if env_rank() == 0:
+        print(json.dumps({"output": values["output"], "counts": manifest.get("counts"), "run": manifest.get("run")}))
 
 
 if __name__ == "__main__":

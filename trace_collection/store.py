@@ -3,7 +3,8 @@
 Layout: `<output>/manifest.json`, `<output>/shards/c<concurrency>-chunk<k>.parquet`. A shard is written
 to a temporary name and renamed into place, so after a crash a shard either exists whole or not at all;
 resuming skips the chunks whose shard exists. A folder whose manifest names another feature spec, other
-model files or another collection setup is refused.
+model files or another collection setup is refused. Workers of one launch write their own shards into the
+folder side by side (each chunk has one owner); only rank 0 writes `manifest.json`.
 """
 
 from __future__ import annotations
