@@ -1,13 +1,14 @@
 """Model configurations parsed from Hugging Face `config.json` files (Qwen3 target, DFlash drafter).
 
 Only the fields the runtime needs are kept; anything the runtime cannot honour (sliding windows, RoPE
-scaling other than the default) is refused with an error naming the file and the key.
+scaling other than the default) is refused with an error naming the file and the key. Under tensor
+parallelism a model holds `shard(tp)` of its config: the heads and MLP width of one rank.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,29 @@ class Qwen3Config:
     """End-of-sequence token ids from the config (may be empty)."""
     torch_dtype: str = "bfloat16"
     """Dtype the checkpoint was saved in."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (`shard`); above 1, `num_attention_heads`, `num_key_value_heads` and
+    `intermediate_size` are one rank's share (what its layers and its KV cache hold), every other field is
+    the whole model's (`vocab_size` included)."""
+
+    def shard(self, tensor_parallel_size: int) -> "Qwen3Config":
+        """One rank's share of this (unsharded) model over `tensor_parallel_size` ranks: query and key/value
+        heads and the MLP's inner width divided evenly (a `ValueError` names the field that does not divide)."""
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"this config is already one of {self.tensor_parallel_size} shards")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if tensor_parallel_size == 1:
+            return self
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = getattr(self, name)
+            if value % tensor_parallel_size:
+                raise ValueError(f"'{name}' = {value} is not divisible by tensor_parallel_size="
+                                 f"{tensor_parallel_size}; choose a tensor-parallel size that divides it")
+        return replace(self, num_attention_heads=self.num_attention_heads // tensor_parallel_size,
+                       num_key_value_heads=self.num_key_value_heads // tensor_parallel_size,
+                       intermediate_size=self.intermediate_size // tensor_parallel_size,
+                       tensor_parallel_size=tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,10 @@ class DFlashConfig:
     """Target layers whose outputs are concatenated into the context features."""
     num_target_layers: int
     """Number of layers of the target the drafter was trained against."""
+
+    def shard(self, tensor_parallel_size: int) -> "DFlashConfig":
+        """One rank's share of the drafter: its draft layers' `Qwen3Config.shard`."""
+        return replace(self, layers=self.layers.shard(tensor_parallel_size))
 
 
 def read_config_json(folder: Path) -> dict[str, Any]:

@@ -8,6 +8,10 @@ bidirectionally to [context + block]; draft logits at positions 1..W-1 come from
 The block's own K/V are written to the cache slots after the context and are never read again: the next
 context injection overwrites them (the committed drafter length bounds what attention may read). The kernel
 paths are the `KernelChoice` the drafter is built with; `use_kernels` changes them afterwards.
+Under tensor parallelism (`tp`, `parallel.py`) the drafter is one rank's shard like its target: the draft
+layers hold the rank's heads (its cache the rank's K/V), `fc` and the norms are whole on every rank (the
+context features are the target's whole residual stream), and the draft logits are gathered to the whole
+vocabulary from the target's sharded LM head, so the drafts are the same on every rank.
 """
 
 from __future__ import annotations
@@ -20,15 +24,19 @@ from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.kernels import KernelChoice, fused
 from dscale_runtime.models.config import DFlashConfig
 from dscale_runtime.models.layers import PORTABLE, KVLayerCache, Qwen3DecoderLayer, RMSNorm, rope_cos_sin, use_kernels
+from dscale_runtime.models.parallel import TensorParallel, active
+from dscale_runtime.models.qwen3 import check_shard
 
 
 class DFlashDraftModel(nn.Module):
-    def __init__(self, cfg: DFlashConfig, kernels: KernelChoice = PORTABLE) -> None:
+    def __init__(self, cfg: DFlashConfig, kernels: KernelChoice = PORTABLE, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        check_shard(cfg.layers, tp)
         self.config = cfg
         self.kernels = kernels  # the kernel path of every layer (see use_kernels)
+        self.tp = active(tp)  # None: the whole drafter on this process
         d = cfg.layers.hidden_size
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg.layers, kernels)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg.layers, kernels, self.tp)
                                     for _ in range(cfg.layers.num_hidden_layers))
         self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.layers.rms_norm_eps, kernels)
@@ -80,8 +88,9 @@ class DFlashDraftModel(nn.Module):
         return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps, backend=self.kernels.fused)[1]
 
     def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
-        """The target's LM head [V, d] in the drafter's dtype: the tensor itself when the dtypes agree, else a
-        copy made on the first call and kept (the engine makes it at start-up, before any graph capture)."""
+        """The target's LM head [V, d] (this rank's rows under tensor parallelism) in the drafter's dtype: the
+        tensor itself when the dtypes agree, else a copy made on the first call and kept (the engine makes it at
+        start-up, before any graph capture)."""
         if lm_head.dtype == self.dtype:
             return lm_head
         if self._head is None or self._head[0] is not lm_head or self._head[1].dtype != self.dtype:
@@ -103,7 +112,8 @@ class DFlashDraftModel(nn.Module):
         hidden = self(target.embed(block.view(-1)), meta, caches).view(n, w, -1)[:, 1:]
         # NOTE: the LM head takes contiguous 2-D rows: on a strided 3-D slice F.linear falls back to a batched
         # matmul that reads the whole vocab-sized weight once per request (0.3 ms each at Qwen3-8B).
-        logits = F.linear(hidden.reshape(n * (w - 1), -1), self.head_weight(target.lm_head.weight)).view(n, w - 1, -1)
+        logits = F.linear(hidden.reshape(n * (w - 1), -1), self.head_weight(target.lm_head.weight))
+        logits = target.vocab_logits(logits).view(n, w - 1, -1)  # NOTE: gathered under tensor parallelism
         if float_logits:
             logits = logits.float()
         block[:, 1:] = logits.argmax(dim=-1)

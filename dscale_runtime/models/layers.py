@@ -4,6 +4,9 @@ The target and the DFlash drafter share these. Attention reads and writes the pa
 `AttentionMetadata`; `write_kv` is split out because the drafter also writes K/V for context rows that
 never become queries (the fused target features). Every layer holds the `KernelChoice` it was built with
 (`kernels`) and passes its fields to the kernel routers on each call; `use_kernels` changes it afterwards.
+Under tensor parallelism (`tp`, see `parallel.py`) a layer is built from its rank's `Qwen3Config.shard`:
+attention holds its rank's heads (and writes only those to the KV cache), the MLP its rank's columns, and
+o_proj / down_proj sum their partial products over the group; without `tp` nothing of that runs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import nn
 from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.kernels import KernelChoice, fused, paged_attention
 from dscale_runtime.models.config import Qwen3Config
+from dscale_runtime.models.parallel import TensorParallel, active
 
 PORTABLE = KernelChoice()  # what a layer built without a choice runs: the references everywhere
 
@@ -66,9 +70,10 @@ class KVLayerCache:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.kernels = kernels
+        self.tp = active(tp)  # NOTE: cfg is this rank's shard: num_heads / num_kv_heads are its own heads
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -139,13 +144,15 @@ class Qwen3Attention(nn.Module):
         self._store(k, v, cos, sin, meta.slot_mapping, cache)
         out = paged_attention(q, cache.k, cache.v, meta, cache.page_size, self.scale,
                               backend=self.kernels.attention, tile_rows=self.kernels.attention_tile)
-        return self.o_proj(out.reshape(x.shape[0], -1).to(x.dtype))
+        out = out.reshape(x.shape[0], -1).to(x.dtype)
+        return self.o_proj(out) if self.tp is None else self.tp.row_parallel(out, self.o_proj)
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.kernels = kernels
+        self.tp = active(tp)  # NOTE: cfg.intermediate_size is this rank's share of the MLP columns
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -163,16 +170,18 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(fused.silu_mul(F.linear(x, self.gate_up), backend=self.kernels.fused))
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = fused.silu_mul(F.linear(x, self.gate_up), backend=self.kernels.fused)
+        return self.down_proj(h) if self.tp is None else self.tp.row_parallel(h, self.down_proj)
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.kernels = kernels
-        self.self_attn = Qwen3Attention(cfg, kernels)
-        self.mlp = Qwen3MLP(cfg, kernels)
+        self.self_attn = Qwen3Attention(cfg, kernels, tp)
+        self.mlp = Qwen3MLP(cfg, kernels, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 

@@ -5,6 +5,8 @@ Every error names the file and the key to fix: missing or unexpected weights, sh
 architectures, a drafter whose width or `fc` input does not match the target. The loaded models are built
 with their kernel paths (`KernelChoice`): the one passed in, else the one resolved once for the device and
 dtype (DSCALE_ATTENTION / DSCALE_ATTENTION_TILE / DSCALE_FUSED / DSCALE_FEATURES, else the auto rule).
+Given a `TensorParallel` (`tp`), a loader builds this rank's shard and reads only its slices of the split
+weights from the files (safetensors' lazy slices), the whole checkpoint's shapes checked all the same.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -26,7 +29,10 @@ from dscale_runtime.models.config import (
     load_target_config,
 )
 from dscale_runtime.models.dflash import DFlashDraftModel
+from dscale_runtime.models.parallel import VOCAB_PARALLEL, TensorParallel, active, shard_dim
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
+
+Reader = Callable[[str, object, Path], torch.Tensor]  # (key, open safetensors file, its path) -> tensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,7 +60,8 @@ def weight_files(folder: Path) -> dict[str, Path]:
         return {key: single for key in f.keys()}
 
 
-def read_tensors(owners: dict[str, Path]) -> dict[str, tuple[torch.Tensor, Path]]:
+def read_tensors(owners: dict[str, Path], reader: Reader | None = None) -> dict[str, tuple[torch.Tensor, Path]]:
+    """Every tensor of `owners`, read whole, or by `reader` (e.g. one rank's slice: `rank_slices`)."""
     by_file: dict[Path, list[str]] = {}
     for key, path in owners.items():
         by_file.setdefault(path, []).append(key)
@@ -65,8 +72,46 @@ def read_tensors(owners: dict[str, Path]) -> dict[str, tuple[torch.Tensor, Path]
             for key in keys:
                 if key not in present:
                     raise CheckpointError(f"{path}: key '{key}' is listed in the index but not in the file")
-                tensors[key] = (f.get_tensor(key), path)
+                tensors[key] = (f.get_tensor(key) if reader is None else reader(key, f, path), path)
     return tensors
+
+
+def rank_slices(model: nn.Module, tp: TensorParallel, vocab_size: int, prefix: str = "") -> Reader:
+    """A `read_tensors` reader of this rank's part of every weight that `model` (a shard, see `parallel.py`)
+    holds split: the file's lazy slice of it, the last vocabulary part padded with zero rows; other tensors
+    whole. The checkpoint's own shape is checked against the whole model's first (`prefix`: a key prefix the
+    loader strips)."""
+    local = {k: tuple(p.shape) for k, p in model.named_parameters(remove_duplicate=False)}
+
+    def read(key: str, file, path: Path) -> torch.Tensor:
+        name = key[len(prefix):] if prefix and key.startswith(prefix) else key
+        dim = shard_dim(name)
+        if name not in local or dim is None:
+            return file.get_tensor(key)
+        lazy = file.get_slice(key)
+        shape = tuple(lazy.get_shape())
+        want = list(local[name])
+        want[dim] = vocab_size if name.split(".")[-2] in VOCAB_PARALLEL else want[dim] * tp.size
+        if shape != tuple(want):
+            raise CheckpointError(f"{path}: weight '{key}' has shape {shape}, the config implies {tuple(want)}")
+        start, stop, part = tp.split(shape[dim])
+        tensor = lazy[start:stop] if dim == 0 else lazy[:, start:stop]
+        if stop - start < part:  # NOTE: padding rows of the vocabulary: never looked up, their logits cut off
+            tensor = torch.cat([tensor, tensor.new_zeros((part - (stop - start),) + tuple(tensor.shape[1:]))])
+        return tensor
+
+    return read
+
+
+def shard_config(cfg, tp: TensorParallel | None, folder: Path):
+    """`cfg.shard(tp.size)`, or `cfg` itself without tensor parallelism; a size that does not divide the model
+    is a `CheckpointError` naming the checkpoint's config file."""
+    if tp is None:
+        return cfg
+    try:
+        return cfg.shard(tp.size)
+    except ValueError as exc:
+        raise CheckpointError(f"{folder / 'config.json'}: {exc}") from exc
 
 
 def _assign(
@@ -111,19 +156,20 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_target(folder: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
-                kernels: KernelChoice | None = None) -> Qwen3ForCausalLM:
+                kernels: KernelChoice | None = None, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
     """The Qwen3 target in `folder` on `device` in `dtype`, running the kernel paths `kernels` (None:
-    `KernelChoice.resolve(device, dtype)`)."""
+    `KernelChoice.resolve(device, dtype)`); this rank's shard of it under the tensor parallelism `tp`."""
     folder = Path(folder)
     dtype = resolve_dtype(dtype)
     kernels = kernels if kernels is not None else KernelChoice.resolve(device, dtype)
-    cfg = load_target_config(folder)
-    tensors = read_tensors(weight_files(folder))
+    tp = active(tp)
+    cfg = shard_config(load_target_config(folder), tp, folder)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg, kernels, tp)
+    tensors = read_tensors(weight_files(folder), None if tp is None else rank_slices(model, tp, cfg.vocab_size))
     if cfg.tie_word_embeddings:
         # NOTE: tied checkpoints normally omit lm_head.weight; a copy, if present, is ignored.
         tensors.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg, kernels)
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     _assign(model, tensors, folder, dtype, torch.device(device), optional)
     if cfg.tie_word_embeddings:
@@ -150,16 +196,20 @@ def check_pair(target: Qwen3Config, drafter: DFlashConfig, folder: Path) -> None
 
 def load_drafter(
     folder: str | Path, target: Qwen3Config, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
-    kernels: KernelChoice | None = None,
+    kernels: KernelChoice | None = None, tp: TensorParallel | None = None,
 ) -> DFlashDraftModel:
     """The DFlash drafter in `folder`, checked against its `target`'s config, on `device` in `dtype`, running
-    the kernel paths `kernels` (None: `KernelChoice.resolve(device, dtype)`)."""
+    the kernel paths `kernels` (None: `KernelChoice.resolve(device, dtype)`); this rank's shard of it under the
+    tensor parallelism `tp` (the target's; `target` may be its whole config or its shard's)."""
     folder = Path(folder)
     dtype = resolve_dtype(dtype)
     kernels = kernels if kernels is not None else KernelChoice.resolve(device, dtype)
-    cfg = load_drafter_config(folder)
+    tp = active(tp)
+    cfg = shard_config(load_drafter_config(folder), tp, folder)
     check_pair(target, cfg, folder)
-    raw = read_tensors(weight_files(folder))
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg, kernels, tp)
+    raw = read_tensors(weight_files(folder), None if tp is None else rank_slices(model, tp, target.vocab_size, "model."))
     # NOTE: some exports prefix every key with `model.`; strip it once, consistently.
     tensors = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in raw.items()}
     fc = tensors.get("fc.weight")
@@ -169,8 +219,6 @@ def load_drafter(
             f"{fc[1]}: weight 'fc.weight' takes {fc[0].shape[1]} inputs, but {len(cfg.target_layer_ids)} target "
             f"layers x hidden {target.hidden_size} = {want}"
         )
-    with torch.device("meta"):
-        model = DFlashDraftModel(cfg, kernels)
     _assign(model, tensors, folder, dtype, torch.device(device))
     return model.eval()
 

@@ -5,6 +5,10 @@ writes their K/V, and returns the logits of the rows asked for plus the outputs 
 DFlash drafter fuses into its context (`hidden_states[layer_id + 1]` in transformers' numbering). The
 kernel paths are the `KernelChoice` the model is built with (the loader resolves one for the device and
 dtype); `use_kernels` changes them afterwards.
+
+Under tensor parallelism (`tp`, `parallel.py`) the model is one rank's shard: `config` is its
+`Qwen3Config.shard` (its own heads, which size its KV cache), the embedding and the LM head hold its rows of
+the vocabulary, and every forward still returns the whole vocabulary's logits (gathered), on every rank.
 """
 
 from __future__ import annotations
@@ -16,23 +20,36 @@ from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.kernels import KernelChoice
 from dscale_runtime.models.config import Qwen3Config
 from dscale_runtime.models.layers import PORTABLE, KVLayerCache, Qwen3DecoderLayer, RMSNorm, use_kernels
+from dscale_runtime.models.parallel import TensorParallel, active
+
+
+def check_shard(cfg: Qwen3Config, tp: TensorParallel | None) -> None:
+    """A model is built from the config of its own shard: `cfg.shard(tp.size)` under tensor parallelism."""
+    size = tp.size if active(tp) is not None else 1
+    if cfg.tensor_parallel_size != size:
+        raise ValueError(f"the config is one of {cfg.tensor_parallel_size} shard(s), the tensor-parallel group "
+                         f"has {size} rank(s): build the model from config.shard({size})")
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, kernels) for _ in range(cfg.num_hidden_layers))
+        tp = active(tp)
+        vocab_rows = cfg.vocab_size if tp is None else tp.split(cfg.vocab_size)[2]
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, kernels, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE) -> None:
+    def __init__(self, cfg: Qwen3Config, kernels: KernelChoice = PORTABLE, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        check_shard(cfg, tp)
         self.config = cfg
         self.kernels = kernels  # the kernel path of every layer (see use_kernels)
-        self.model = Qwen3Model(cfg, kernels)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = active(tp)  # None: the whole model on this process
+        self.model = Qwen3Model(cfg, kernels, self.tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -51,11 +68,18 @@ class Qwen3ForCausalLM(nn.Module):
         return self
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(token_ids)
+        if self.tp is None:
+            return self.model.embed_tokens(token_ids)
+        return self.tp.embed(token_ids, self.model.embed_tokens.weight)
+
+    def vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """LM-head outputs of this process [R, rows] -> the whole vocabulary's [R, vocab] (gathered under
+        tensor parallelism; the tensor itself otherwise)."""
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [R, d] -> fp32 logits [R, vocab]."""
-        return self.lm_head(hidden).float()
+        return self.vocab_logits(self.lm_head(hidden)).float()
 
     def forward(
         self,
@@ -82,4 +106,4 @@ class Qwen3ForCausalLM(nn.Module):
         if logits_rows is not None:
             x = x[logits_rows]
         hidden = self.model.norm(x)
-        return (self.compute_logits(hidden) if float_logits else self.lm_head(hidden)), features
+        return (self.compute_logits(hidden) if float_logits else self.vocab_logits(self.lm_head(hidden))), features
