@@ -94,6 +94,8 @@ class ModelShape:
 SHAPES = {
     "qwen3-8b": ModelShape(4096, 12288, 36, 32, 8, 128, 151936, False, 5, (1, 9, 17, 25, 33), 151669),
     "qwen3-4b": ModelShape(2560, 9728, 36, 32, 8, 128, 151936, True, 5, (1, 9, 17, 25, 33), 151669),
+    # The shipped demo pair's shape (artifacts/demo): launch-bound steps, a 4,096-token vocabulary.
+    "demo": ModelShape(384, 1024, 8, 6, 2, 64, 4096, True, 3, (1, 3, 5), 1),
     # CPU smoke shape: a 5-token vocabulary makes random drafts match the target often enough to test acceptance.
     "tiny": ModelShape(64, 128, 4, 4, 2, 16, 5, False, 2, (1, 3), 4),
 }
@@ -217,8 +219,9 @@ class Bench:
         return dataclasses.replace(self.served, attention="triton", attention_tile=int(attention[4:]))
 
     def runner(self, mode: str, ratio: float = 0.5, graphs: bool = False, buckets: list[int] | None = None,
-               predictor: AcceptancePredictor | None = None) -> StepRunner:
-        """The engine's runner over these models and caches (DScale always decides: full_width_max_batch 0)."""
+               predictor: AcceptancePredictor | None = None, measured: bool = False) -> StepRunner:
+        """The engine's runner over these models and caches (DScale always decides: full_width_max_batch 0,
+        unless `measured`: the engine's default policy, timed per bucket at this bench's context)."""
         speculative = mode != "target"
         buckets = buckets or [len(self.ctx)]
         return StepRunner(
@@ -226,7 +229,8 @@ class Bench:
             self.drafter_cache.layers if speculative else None, mode=mode, block_size=BLOCK,
             max_batch=max(buckets), max_pages=self.max_pages, page_size=self.page_size, budget_ratio=ratio,
             full_width_max_batch=0, feature_spec=self.spec, predictor=predictor or self.predictor,
-            projection=self.projection, buckets=buckets, use_graphs=graphs, device=self.device)
+            projection=self.projection, buckets=buckets, use_graphs=graphs, device=self.device,
+            measured_policy=measured, policy_context=int(statistics.median(self.ctx)))
 
     def batch(self, n: int, sampling: str = "greedy") -> Batch:
         """The first n requests; 'sampled': every row at T = 1, 'mixed': odd rows at T = 1, even rows greedy."""
@@ -632,32 +636,39 @@ def draft_section(run: Run, bench: Bench, n: int, cuda: bool) -> dict:
 
 
 def profile_section(run: Run, bench: Bench, n: int, cuda: bool) -> dict:
-    """Where a captured step's device time goes: torch.profiler over a few steps of DFlash and DScale at
-    budget 0.5 (served kernels), kernels summed by name (the top 20 per mode, in ms per step)."""
+    """Where a captured step's device time goes: torch.profiler over a few steps of each mode (DScale at budget
+    0.5, served kernels), greedy and with every row sampled at T = 1 (`--profile-sampling`), kernels summed by
+    name (the top 20 per step, in ms per step) and the number of kernel launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
     args, out, reps = run.args, {}, 5
     bench.use_kernels(bench.served)
-    for name, mode in (("dflash graph", "dflash"), ("dscale +graphs", "dscale")):
-        runner, batch, kind = bench.runner(mode, 0.5, cuda, [n]), bench.batch(n), StepKind(mode)
-        for _ in range(3):
-            batch.run(runner, kind)
-        sync(args.device)
-        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-            for _ in range(reps):
+    for mode in args.profile_modes:
+        for sampling in args.profile_sampling:
+            name = f"{mode} {sampling}"
+            runner, batch = bench.runner(mode, 0.5, cuda, [n]), bench.batch(n, sampling)
+            if mode == "target":
+                batch = bench.target_batch(batch)
+            kind = step_kind(mode, sampling, bench.sampled_rule)
+            for _ in range(3):
                 batch.run(runner, kind)
             sync(args.device)
-        attr = "device_time_total" if cuda else "self_cpu_time_total"
-        kernels = sorted(((e.key, getattr(e, attr, 0) / 1e3 / reps, e.count // reps)
-                          for e in prof.key_averages()), key=lambda k: -k[1])
-        kernels = [k for k in kernels if k[1] > 0]
-        out[name] = {"total_ms": round(sum(k[1] for k in kernels), 3),
-                     "top": [{"kernel": k[:120], "ms": round(ms, 4), "calls": c} for k, ms, c in kernels[:20]]}
-        run.log(f"  profile N={n} {name}: {out[name]['total_ms']:.3f} ms of kernels per step")
-        for k in out[name]["top"][:12]:
-            run.log(f"    {k['ms']:8.4f} ms  x{k['calls']:<4d} {k['kernel'][:100]}")
-        del runner
-        release(args.device)
+            with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+                for _ in range(reps):
+                    batch.run(runner, kind)
+                sync(args.device)
+            attr = "device_time_total" if cuda else "self_cpu_time_total"
+            kernels = sorted(((e.key, getattr(e, attr, 0) / 1e3 / reps, e.count // reps)
+                              for e in prof.key_averages()), key=lambda k: -k[1])
+            kernels = [k for k in kernels if k[1] > 0]
+            out[name] = {"total_ms": round(sum(k[1] for k in kernels), 3), "launches": sum(k[2] for k in kernels),
+                         "top": [{"kernel": k[:120], "ms": round(ms, 4), "calls": c} for k, ms, c in kernels[:20]]}
+            run.log(f"  profile N={n} {name}: {out[name]['total_ms']:.3f} ms of kernels, "
+                    f"{out[name]['launches']} launches per step")
+            for k in out[name]["top"][:12]:
+                run.log(f"    {k['ms']:8.4f} ms  x{k['calls']:<4d} {k['kernel'][:100]}")
+            del runner
+            release(args.device)
     return out
 
 
@@ -714,6 +725,48 @@ def buckets_section(run: Run, bench: Bench, cuda: bool) -> dict:
             entry["padding_cost"] = cost
             entry["padding_cost_summary"] = {"mean": round(statistics.fmean(cost.values()), 4),
                                              "max": max(cost.values()), "worst_n": int(max(cost, key=cost.get))}
+            entry["bucket_sets"] = bucket_sets(entry["unpadded"]["N"], max_n)
+    if not run.over_budget("buckets policy") and "padded" in out.get("dflash", {}):
+        try:  # the engine's default DScale policy (measured per bucket at start-up) against padded DFlash
+            runner = bench.runner("dscale", 0.5, cuda, default_buckets(max_n), measured=True)
+            t = time.perf_counter()
+            runner.prepare([StepKind("dscale")])
+            per_n = {}
+            for n in range(1, max_n + 1):
+                batch, kind = bench.batch(n), StepKind(runner.mode_for(n))
+                timing = time_call(lambda: batch.run(runner, kind), args.device, args.bucket_reps, 1)
+                per_n[str(n)] = {"mode": kind.mode, "ms": timing["ms"],
+                                 "vs_dflash": round(timing["ms"] / out["dflash"]["padded"]["N"][str(n)]["ms"], 4)}
+            worst = max(per_n, key=lambda n: per_n[n]["vs_dflash"])
+            out["policy"] = {"prepare_s": round(time.perf_counter() - t, 2), "bucket_modes": runner.bucket_modes,
+                             "policy_ms": runner.policy_ms, "N": per_n,
+                             "max_vs_dflash": per_n[worst]["vs_dflash"], "worst_n": int(worst)}
+            run.log(f"  buckets policy: modes {runner.bucket_modes}; worst policy/DFlash "
+                    f"{per_n[worst]['vs_dflash']} at N={worst}")
+            runner = None
+        except Exception as exc:  # noqa: BLE001
+            run.error("buckets policy", exc)
+        release(args.device)
+        run.save()
+    return out
+
+
+def bucket_sets(unpadded: dict, max_n: int) -> dict:
+    """Candidate bucket sets judged on the measured step time of every N in a bucket of exactly N: the mean and
+    worst of t(bucket(N)) / t(N) over N = 1 .. max_n, and the number of graphs each set captures per kind."""
+    def capped(sizes):
+        return sorted({b for b in sizes if b < max_n} | {max_n})
+    sets = {"powers of two": capped([2 ** i for i in range(max_n.bit_length() + 1)]),
+            "1, 2, 4, 8, multiples of 8": capped([1, 2, 4] + list(range(8, max_n + 1, 8))),
+            "1..8, multiples of 8": capped(list(range(1, 9)) + list(range(8, max_n + 1, 8))),
+            "1, 2, 4, multiples of 4 (default to 64)": default_buckets(max_n),
+            "1, 2, 4, 8, multiples of 16": capped([1, 2, 4, 8] + list(range(16, max_n + 1, 16)))}
+    out = {}
+    for name, sizes in sets.items():
+        cost = [unpadded[str(next(b for b in sizes if b >= n))]["ms"] / unpadded[str(n)]["ms"]
+                for n in range(1, max_n + 1)]
+        out[name] = {"buckets": sizes, "graphs": len(sizes), "mean": round(statistics.fmean(cost), 4),
+                     "max": round(max(cost), 4)}
     return out
 
 
@@ -1002,6 +1055,8 @@ def parse_args(argv: list[str]):
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
     parser.add_argument("--sampled-rule", default="sampled", choices=["sampled", "top1"],
                         help="rule of the speculative steps' sampled rows (sampled: the engine's auto rule at T = 1)")
+    parser.add_argument("--profile-modes", nargs="+", default=["dflash", "dscale"], choices=["target", "dflash", "dscale"])
+    parser.add_argument("--profile-sampling", nargs="+", default=["greedy"], choices=["greedy", "sampled", "mixed"])
     parser.add_argument("--context", type=int, default=None, help="committed tokens per request (~)")
     parser.add_argument("--max-n", type=int, default=None, help="buckets section: N = 1 .. max_n (default 64)")
     parser.add_argument("--reps", type=int, default=None)

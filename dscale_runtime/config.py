@@ -48,8 +48,13 @@ class EngineConfig:
     """DScale verification budget as a share of full width: M_live = round(budget_ratio x W x N_live)."""
     full_width_max_batch: int = 0
     """DScale only: steps with at most this many live requests verify all W slots without running the
-    decision (the DFlash step), where the decision costs more than the rows it saves; 0 = always decide.
-    Profile it per model and device: `benchmarks/gpu_step.py project` prints the best policy per N."""
+    decision (the DFlash step), where the decision costs more than the rows it saves; 0 = leave it to
+    `dscale_policy`. An override of the measured policy (`benchmarks/gpu_step.py project` prints the best
+    policy per N)."""
+    dscale_policy: str = "measured"
+    """DScale only: 'measured' (with `step_graphs` on CUDA): after capture, time every bucket's greedy DFlash and
+    DScale steps and run the decision only in buckets where its step is faster (logged, `Engine.step_policy`);
+    'always': decide in every bucket above `full_width_max_batch`. Without graphs (CPU) both mean 'always'."""
     measure_retention: bool = False
     """DScale only: also run full-width verification each step to measure retention (costs a second
     target forward; for analysis, not serving)."""
@@ -59,7 +64,11 @@ class EngineConfig:
     runs eagerly (always on the CPU)."""
     graph_buckets: tuple[int, ...] | None = None
     """Batch sizes the runner keeps fixed buffers (and, with `step_graphs`, graphs) for: a batch of n runs in the
-    smallest bucket >= n. None: 1, 2, 4, 8, then every multiple of 8, up to `max_running_requests`."""
+    smallest bucket >= n. None: 1, 2, 4, every multiple of 4 to 64, of 8 beyond, up to `max_running_requests`
+    (`runner.default_buckets`: chosen on measured step times)."""
+    tensor_parallel_size: int = 1
+    """Ranks the target and drafter are split over (tensor parallelism, `dscale_runtime.distributed`): start that
+    many processes with torchrun, each building the same engine and given the same requests; 1 = one process."""
     sampling_rule: str = "auto"
     """Acceptance rule of sampled requests (greedy requests always take the argmax): 'top1' (the paper's rule:
     top-1 drafts accepted with probability p(x); seeded output equals target-only sampling token for token),
@@ -84,6 +93,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.block_size must be >= 2, got {self.block_size}")
         if not 0 < self.budget_ratio <= 1:
             raise ValueError(f"EngineConfig.budget_ratio must be in (0, 1], got {self.budget_ratio}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.dscale_policy not in ("measured", "always"):
+            raise ValueError(f"EngineConfig.dscale_policy must be 'measured' or 'always', got '{self.dscale_policy}'")
         if self.full_width_max_batch < 0:
             raise ValueError(f"EngineConfig.full_width_max_batch must be >= 0, got {self.full_width_max_batch}")
         if self.dtype not in DTYPES + ("auto",):

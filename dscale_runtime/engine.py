@@ -114,9 +114,12 @@ class Engine:
             budget_ratio=config.budget_ratio, full_width_max_batch=config.full_width_max_batch,
             feature_spec=self.feature_spec, predictor=self.predictor, projection=self.hidden_projection,
             buckets=list(config.graph_buckets) if config.graph_buckets else None,
-            use_graphs=config.step_graphs and self.device.type == "cuda", device=self.device)
+            use_graphs=config.step_graphs and self.device.type == "cuda", device=self.device,
+            measured_policy=config.dscale_policy == "measured", policy_context=min(1024, config.max_model_len // 2))
         if self.runner.use_graphs:
             self.runner.prepare(self._serving_kinds())
+            if self.runner.bucket_modes:
+                log.info("DScale policy (measured step ms per bucket): %s", self.step_policy)
         self._ids = itertools.count()
         self._generator = torch.Generator()
         self._generator.manual_seed(config.seed)
@@ -138,13 +141,18 @@ class Engine:
         dtype = resolve_dtype(config.dtype) if config.dtype != "auto" else (
             torch.bfloat16 if torch.device(config.device).type == "cuda" else torch.float32)
         target_path = Path(target)
-        target_model = load_target(target_path, dtype, config.device)
+        tp = None
+        if config.tensor_parallel_size > 1:  # NOTE: each rank loads its shards; every rank runs this engine
+            from dscale_runtime.distributed import init_tensor_parallel
+
+            tp = init_tensor_parallel(config.device, config.tensor_parallel_size)
+        target_model = load_target(target_path, dtype, config.device, tp=tp)
         drafter_model = None
         if config.mode != "target":
             if drafter is None:
                 raise ValueError(f"EngineConfig.mode='{config.mode}' needs a drafter checkpoint: pass drafter=PATH")
             draft_dtype = resolve_dtype(config.draft_dtype) if config.draft_dtype else dtype
-            drafter_model = load_drafter(Path(drafter), target_model.config, draft_dtype, config.device)
+            drafter_model = load_drafter(Path(drafter), target_model.config, draft_dtype, config.device, tp=tp)
         tokenizer = load_tokenizer(target_path)
         if config.mode == "dscale":
             if predictor is None:
@@ -210,6 +218,12 @@ class Engine:
         if request is None:
             raise KeyError(f"no unfinished request with id '{request_id}'")
         return request.output_token_ids[start:]
+
+    @property
+    def step_policy(self) -> dict[int, dict]:
+        """The step each bucket runs and, where measured, its greedy DFlash / DScale step times in ms."""
+        return {size: {"mode": self.runner.mode_for(size), **self.runner.policy_ms.get(size, {})}
+                for size in self.runner.buckets}
 
     @property
     def num_running(self) -> int:
@@ -309,7 +323,7 @@ class Engine:
         rows = SamplingRows(self._tensor(cols[3]) == RULE_GREEDY,
                             torch.tensor(cols[4], dtype=torch.float32, device=self.device), self._tensor(cols[2]),
                             torch.tensor(cols[5], dtype=torch.float32, device=self.device), self._tensor(cols[0]),
-                            self._tensor(cols[1]))
+                            self._tensor(cols[1]), self.runner.sampling_backend)
         sampled = any(rule != RULE_GREEDY for rule in cols[3])
         filtered = any(k > 0 or p < 1 for k, p in zip(cols[2], cols[5]))
         positions = self._tensor([len(r.prompt_token_ids) for r in requests])

@@ -44,11 +44,18 @@ RULE_GREEDY, RULE_TOP1, RULE_SAMPLED = 0, 1, 2
 MODES = ("target", "dflash", "dscale")
 
 
+MEASURED_BUCKETS_UP_TO = 64  # the default set below was chosen on step times measured at every N up to here
+
+
 def default_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 (SGLang's pattern), capped by and ending at `max_batch`: padding
-    costs at most 8 requests' rows above N = 8 instead of up to half the rows with powers of two."""
-    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
-    return sorted(set(sizes)) + [max_batch]
+    """1, 2, 4, then every multiple of 4 up to 64 and every multiple of 8 beyond, capped by and ending at
+    `max_batch`. Chosen on the captured step measured at every N = 1 .. 64 in a bucket of exactly N (Qwen3-8B
+    shape, H200, docs/benchmarks.md): padding costs 2.8% (DFlash) / 2.3% (DScale) on average, at worst x1.13,
+    for 18 graphs per kind, against 6.4% / 3.8% and x1.22 for 1, 2, 4, 8 and multiples of 8 (11 graphs) and
+    22% / 14% and x1.85 for powers of two."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(4, min(max_batch, MEASURED_BUCKETS_UP_TO + 1), 4))
+    sizes += list(range(MEASURED_BUCKETS_UP_TO + 8, max_batch, 8))
+    return sorted({b for b in sizes if b < max_batch}) + [max_batch]
 
 
 @dataclass(frozen=True)
@@ -128,9 +135,9 @@ class StepBuffers:
             self.dev_int.copy_(self.host_int, non_blocking=True)
             self.dev_float.copy_(self.host_float, non_blocking=True)
 
-    def sampling_rows(self) -> SamplingRows:
+    def sampling_rows(self, backend: str = "ref") -> SamplingRows:
         return SamplingRows(self.rule == RULE_GREEDY, self.temperature, self.top_k, self.top_p, self.seed_lo,
-                            self.seed_hi)
+                            self.seed_hi, backend)
 
 
 def block_metadata(buf: StepBuffers, width: int, causal: bool) -> AttentionMetadata:
@@ -188,11 +195,11 @@ class BucketStep:
         logits, hidden = r.drafter.propose(block, r.target, meta, r.drafter_caches, float_logits=False)
         q = None
         if kind.draft_sampling:
-            rows = buf.sampling_rows()
+            rows = buf.sampling_rows(r.sampling_backend)
             per_slot = rows.rows(torch.arange(b, device=block.device).repeat_interleave(w - 1))
             q = make_policy(logits.reshape(b * (w - 1), -1), per_slot, kind.filtered, r.sampling_backend)
             positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)  # [B, W-1] the drafts' indices
-            drawn = sample(q, rows.uniforms(positions, DRAFT).reshape(-1)).view(b, w - 1)
+            drawn = sample(q, rows.uniforms(positions, DRAFT).reshape(-1), rows.backend).view(b, w - 1)
             block[:, 1:] = torch.where((buf.rule == RULE_SAMPLED)[:, None], drawn, block[:, 1:])
         return block, logits, hidden, q
 
@@ -222,7 +229,7 @@ class BucketStep:
         """Accepted drafts [B] and successors [B] of one verification forward, each request by its rule."""
         buf, kind = self.buf, self.kind
         b = buf.size
-        rows = buf.sampling_rows()
+        rows = buf.sampling_rows(self.runner.sampling_backend)
         row_rows = rows.rows(meta.row_req.clamp(max=b - 1))
         # Row at position p predicts the token at index p + 1: that index keys its draw.
         tokens, policy = target_tokens(logits, row_rows, meta.positions + 1, kind.filtered, kind.sampled,
@@ -232,7 +239,7 @@ class BucketStep:
             w = block.shape[1]
             positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)
             s_acc, s_succ = accept_sampled_drafts(policy, q, block, tokens, lens, offsets, rows.uniforms(positions, COIN),
-                                                  rows.uniforms(buf.ctx + 1, RESIDUAL))
+                                                  rows.uniforms(buf.ctx + 1, RESIDUAL), rows.backend)
             use = buf.rule == RULE_SAMPLED
             accepted, successor = torch.where(use, s_acc, accepted), torch.where(use, s_succ, successor)
         return accepted, successor
@@ -279,6 +286,17 @@ class BucketStep:
         return self.call()
 
 
+def _agreed(times: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Under tensor parallelism every rank must pick the same steps: each time becomes the ranks' maximum."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return times
+    values = torch.tensor(list(times.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(times, values.tolist()))
+
+
 @dataclass
 class StepResult:
     """One step's results on the host (live requests only)."""
@@ -298,7 +316,8 @@ class StepRunner:
     def __init__(self, target, drafter, target_caches, drafter_caches, *, mode: str, block_size: int,
                  max_batch: int, max_pages: int, page_size: int, budget_ratio: float, full_width_max_batch: int,
                  feature_spec, predictor=None, projection=None, buckets: list[int] | None = None,
-                 use_graphs: bool = False, device: torch.device | str = "cpu") -> None:
+                 use_graphs: bool = False, device: torch.device | str = "cpu", measured_policy: bool = False,
+                 policy_context: int = 1024) -> None:
         assert mode in MODES
         self.target, self.drafter = target, drafter
         self.target_caches, self.drafter_caches = target_caches, drafter_caches
@@ -319,15 +338,23 @@ class StepRunner:
         self.buffers: dict[int, StepBuffers] = {}
         self.steps: dict[tuple[int, StepKind], BucketStep] = {}
         self.last_key: tuple[int, StepKind] | None = None  # the (bucket, kind) of the latest step
+        # DScale's measured policy (`prepare` with graphs): bucket -> 'dscale' or 'dflash', and the step times
+        self.measured_policy = measured_policy and mode == "dscale" and use_graphs
+        self.policy_context = policy_context
+        self.bucket_modes: dict[int, str] = {}
+        self.policy_ms: dict[int, dict[str, float]] = {}
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
     def mode_for(self, n: int) -> str:
-        """The step a batch of n live requests runs: DScale's decision, or full width (DFlash, and DScale at
-        or below `full_width_max_batch`), or the target alone."""
+        """The step a batch of n live requests runs: DScale's decision, or full width (DFlash, DScale at or
+        below `full_width_max_batch`, and DScale in a bucket where the measured policy found the DFlash step
+        faster), or the target alone."""
         if self.mode == "dscale" and n <= self.full_width_max_batch:
             return "dflash"
+        if self.mode == "dscale" and self.bucket_modes:
+            return self.bucket_modes[self.bucket(n)]
         return self.mode
 
     def _buffers(self, size: int) -> StepBuffers:
@@ -348,12 +375,52 @@ class StepRunner:
     def prepare(self, kinds: list[StepKind]) -> None:
         """Build (capture, on CUDA) every step a batch can need for the given kinds (their `mode` is replaced by
         each bucket's own), largest bucket first: one shared pool, sized by the largest graph, and no request
-        waits for a capture."""
+        waits for a capture. With the measured policy, every bucket's greedy DFlash and DScale steps are
+        captured and timed first (`measure_policy`), and the other kinds only for the mode it picked."""
+        if self.measured_policy:
+            self.bucket_modes = {}
+            for size in reversed(self.buckets):
+                if size > self.full_width_max_batch:
+                    self.get(size, StepKind("dflash"))
+                    self.get(size, StepKind("dscale"))
+            self.measure_policy()
         for i in reversed(range(len(self.buckets))):
             size, smallest = self.buckets[i], self.buckets[i - 1] + 1 if i else 1
             for mode in sorted({self.mode_for(n) for n in range(smallest, size + 1)}):
                 for kind in kinds:
                     self.get(size, dataclasses.replace(kind, mode=mode))
+
+    def measure_policy(self, reps: int = 7) -> None:
+        """DScale's measured policy: replay each bucket's captured greedy DFlash and DScale steps with every
+        request live at `policy_context` tokens (all pages on the scratch page), the median of `reps` timed
+        replays each, and keep the decision only in buckets where its step is faster."""
+        assert self.use_graphs and self.mode == "dscale"
+        w = self.block_size
+        context = max(1, min(self.policy_context, self.max_pages * self.page_size - 2 * w))
+        for size in self.buckets:
+            if size <= self.full_width_max_batch:
+                continue
+            times = {}
+            for mode in ("dflash", "dscale"):
+                step = self.get(size, StepKind(mode))
+                rows = budget_rows(size, w, self.budget_ratio) if mode == "dscale" else w * size
+                step.buf.fill([0] * size, [context] * size, [], [(0, 0, -1, RULE_GREEDY, 1.0, 1.0)] * size, rows, None)
+                for _ in range(2):
+                    step()
+                samples = []
+                for _ in range(reps):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    step()
+                    end.record()
+                    end.synchronize()
+                    samples.append(start.elapsed_time(end))
+                times[mode] = float(np.median(samples))
+            times = _agreed(times, self.device)
+            self.policy_ms[size] = times
+            self.bucket_modes[size] = "dscale" if times["dscale"] <= times["dflash"] else "dflash"
+        for size in self.buckets:
+            self.bucket_modes.setdefault(size, "dflash")
 
     def run(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
             kind: StepKind, context: np.ndarray | None = None) -> StepResult:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dscale_runtime.kernels.sampling import chunk_exp_sums
+from dscale_runtime.kernels.choice import auto_backend
+from dscale_runtime.kernels.sampling import chunk_exp_sums, keyed_uniforms_routed
 
 # Purposes of a draw (the third key of `keyed_uniforms`): one independent stream each.
 TARGET = 1  # the target's token at a position (target-only sampling, verification rows, the first token)
@@ -37,32 +38,16 @@ def split_seed(seed: int) -> tuple[int, int]:
     return seed & _MASK32, seed >> 32
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x in [0, 2^32) without int64 overflow (c split into 16-bit halves)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser (xorshift-multiply, lowbias32 constants) on int64 tensors in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def keyed_uniforms(
     seed_lo: torch.Tensor,  # [...] int64 in [0, 2^32)
     seed_hi: torch.Tensor,  # [...] int64 in [0, 2^32)
     positions: torch.Tensor,  # [...] int64 absolute token position the draw is for
     purpose: int,
+    backend: str = "ref",
 ) -> torch.Tensor:  # [...] float64 in [0, 1), a pure function of (seed, position, purpose)
-    """Uniform draws keyed by counter: 53 random bits from two chained 32-bit hashes of the key."""
-    pos = positions & _MASK32
-    h = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(pos ^ _mix32(torch.full_like(pos, purpose * 0x9E3779B1 & _MASK32)))))
-    h2 = _mix32(h ^ 0x68E31DA4)
-    return (((h >> 11) << 32) | h2).double() / float(1 << 53)
+    """Uniform draws keyed by counter (`kernels.sampling.keyed_uniforms_ref` is the definition: 53 random bits
+    from two chained 32-bit hashes of the key); `backend` 'triton' computes them in one kernel, bit for bit."""
+    return keyed_uniforms_routed(seed_lo, seed_hi, positions, purpose, backend)
 
 
 @dataclass
@@ -75,16 +60,17 @@ class SamplingRows:
     top_p: torch.Tensor  # [R] float32, 1 means off
     seed_lo: torch.Tensor  # [R] int64
     seed_hi: torch.Tensor  # [R] int64
+    backend: str = "ref"  # the draws' path (`keyed_uniforms`): the runner passes the target's `fused` choice
 
     def rows(self, index: torch.Tensor) -> "SamplingRows":
         """The same parameters for rows that belong to requests `index` [M]."""
         return SamplingRows(self.greedy[index], self.temperature[index], self.top_k[index], self.top_p[index],
-                            self.seed_lo[index], self.seed_hi[index])
+                            self.seed_lo[index], self.seed_hi[index], self.backend)
 
     def uniforms(self, positions: torch.Tensor, purpose: int) -> torch.Tensor:
         """Draws [R, ...] for positions [R, ...] (rows broadcast along the trailing dims)."""
         shape = (-1,) + (1,) * (positions.dim() - 1)
-        return keyed_uniforms(self.seed_lo.view(shape), self.seed_hi.view(shape), positions, purpose)
+        return keyed_uniforms(self.seed_lo.view(shape), self.seed_hi.view(shape), positions, purpose, self.backend)
 
 
 def policy_probs(logits: torch.Tensor, rows: SamplingRows, filtered: bool) -> torch.Tensor:
@@ -165,11 +151,18 @@ def make_policy(logits: torch.Tensor, rows: SamplingRows, filtered: bool, backen
     return Policy(logits, shift, inv_t, chunk_exp_sums(logits, shift, inv_t, chunk, backend), chunk)
 
 
-def sample(policy: Policy, u: torch.Tensor) -> torch.Tensor:
+def sample(policy: Policy, u: torch.Tensor, backend: str = "ref") -> torch.Tensor:
     """One token per row at uniforms u [R]: the first token whose cumulative weight exceeds u x total
     (`sample_inverse_cdf_ref`'s function), in two levels: the chunk sums locate the chunk, a scan of that
-    chunk alone locates the token. Zero-weight tokens are never chosen."""
+    chunk alone locates the token. Zero-weight tokens are never chosen. `backend` 'triton' runs both levels in
+    one kernel (`kernels.triton_sampling.sample_triton`; its sums round in their own order)."""
     (r, vocab), chunk = policy.values.shape, policy.chunk
+    if backend == "auto":
+        backend = auto_backend(policy.values.device, torch.float32)
+    if backend == "triton" and policy.values.stride(-1) == 1 and policy.chunk_sums.shape[1] <= 4096:
+        from dscale_runtime.kernels.triton_sampling import sample_triton
+
+        return sample_triton(policy.values, policy.shift, policy.inv_t, policy.chunk_sums, u.reshape(-1), chunk)
     cum = policy.chunk_sums.cumsum(dim=-1)  # [R, C]
     total = cum[:, -1:].contiguous()
     value = u.view(-1, 1).double() * total  # [R, 1]
@@ -187,9 +180,10 @@ def sample(policy: Policy, u: torch.Tensor) -> torch.Tensor:
     return (at * chunk + inside).view(-1)
 
 
-def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor, chunk: int = CDF_CHUNK) -> torch.Tensor:
+def sample_inverse_cdf(weights: torch.Tensor, u: torch.Tensor, chunk: int = CDF_CHUNK,
+                       backend: str = "ref") -> torch.Tensor:
     """`sample` over dense weights [R, V] (non-negative, any scale)."""
-    return sample(Policy.dense(weights, chunk), u)
+    return sample(Policy.dense(weights, chunk), u, backend)
 
 
 def sample_inverse_cdf_ref(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -213,5 +207,5 @@ def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Ten
         return logits.argmax(dim=-1), None
     row_max, argmax = logits.max(dim=-1)  # NOTE: one read gives the greedy token and the policy's shift
     policy = make_policy(logits, rows, filtered, backend, row_max=row_max)
-    drawn = sample(policy, rows.uniforms(positions, TARGET))
+    drawn = sample(policy, rows.uniforms(positions, TARGET), rows.backend)
     return torch.where(rows.greedy, argmax, drawn), policy

@@ -54,6 +54,7 @@ def accept_sampled_drafts(
     verify_offsets: torch.Tensor,  # [N]
     coins: torch.Tensor,  # [N, W-1] float64 U[0, 1), independent of the drafts and of verify_lens
     residual_u: torch.Tensor,  # [N] float64 U[0, 1) for the residual draw
+    backend: str = "ref",  # the residual draw's path (`sampling.sample`)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # accepted_lens [N], successor [N]
     """Standard speculative sampling over the packed rows (the sampled-drafts rule)."""
     n, w = draft_tokens.shape
@@ -73,5 +74,5 @@ def accept_sampled_drafts(
     residual = (p_row - draft.row_weights(q_flat) / draft.total[q_flat, None]).clamp_min(0)
     # NOTE: p == q at that row makes a rejection impossible; the residual is then never used.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
-    from_residual = sample_inverse_cdf(residual, residual_u)
+    from_residual = sample_inverse_cdf(residual, residual_u, backend=backend)
     return accepted, torch.where(rejected, from_residual, target_tokens[succ_rows])

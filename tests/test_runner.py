@@ -50,7 +50,8 @@ def run(pair, predictor, mode, buckets=None, params=None, **config):
 
 def test_default_buckets():
     assert default_buckets(1) == [1] and default_buckets(6) == [1, 2, 4, 6]
-    assert default_buckets(32) == [1, 2, 4, 8, 16, 24, 32] and default_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert default_buckets(32) == [1, 2, 4, 8, 12, 16, 20, 24, 28, 32] and default_buckets(10) == [1, 2, 4, 8, 10]
+    assert default_buckets(90)[-6:] == [60, 64, 72, 80, 88, 90]
     with pytest.raises(ValueError, match="graph_buckets"):
         EngineConfig(max_running_requests=8, graph_buckets=(1, 4))
 
@@ -115,6 +116,7 @@ def test_bucketed_dscale_step_through_the_interpreted_kernels(pair, predictor, m
 def demo_engine(mode: str, graphs: bool, **config) -> Engine:
     from dscale_runtime.demo.prompts import DEMO_DIR
 
+    config.setdefault("dscale_policy", "always")  # DScale's own steps (the measured policy may pick DFlash's)
     cfg = EngineConfig(mode=mode, max_running_requests=16, device="cuda", dtype="float32", max_model_len=1024,
                        step_graphs=graphs, **config)
     return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
@@ -146,6 +148,26 @@ def test_captured_steps_equal_eager_steps_on_the_demo_pair(mode):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_measured_policy_times_every_bucket_and_keeps_greedy_output():
+    """DScale's default policy on CUDA: every bucket's DFlash and DScale steps timed after capture, each bucket
+    running the faster one; greedy output still equals target-only output."""
+    from dscale_runtime.demo.prompts import stdlib_prompts
+
+    prompts = [p["prompt"] for p in stdlib_prompts()[:20]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
+    engine = demo_engine("dscale", True, dscale_policy="measured")
+    runner = engine.runner
+    assert sorted(runner.bucket_modes) == runner.buckets == sorted(runner.policy_ms)
+    for size, times in runner.policy_ms.items():
+        assert times["dflash"] > 0 and times["dscale"] > 0
+        assert runner.bucket_modes[size] == ("dscale" if times["dscale"] <= times["dflash"] else "dflash")
+        assert engine.step_policy[size]["mode"] == runner.bucket_modes[size]
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_captured_top1_sampling_equals_captured_target_only_sampling():
     from dscale_runtime.demo.prompts import stdlib_prompts
 
@@ -171,7 +193,7 @@ def test_captured_sampling_has_the_target_distribution(tmp_path, mode, rule, rat
     exact = exact_sequence_probs(target, params)
     predictor = save_predictor(tmp_path, (target, drafter), "untrained", 3) if mode == "dscale" else None
     cfg = EngineConfig(mode=mode, max_model_len=32, max_running_requests=256, seed=11, budget_ratio=ratio,
-                       sampling_rule=rule, device="cuda", dtype="float32", step_graphs=True)
+                       sampling_rule=rule, device="cuda", dtype="float32", step_graphs=True, dscale_policy="always")
     engine = Engine.from_pretrained(target, drafter, predictor=predictor, config=cfg)
     counts = collections.Counter(tuple(o.token_ids) for o in engine.generate([PROMPT] * 3000, params))
     assert engine.counters.accepted_drafts > 300

@@ -19,6 +19,7 @@ from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.engine import Engine
 from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1
 from dscale_runtime.sampling import (
+    Policy,
     SamplingRows,
     keyed_uniforms,
     policy_probs,
@@ -123,6 +124,58 @@ def test_chunk_sums_kernel_equals_its_reference():
         got = chunk_exp_sums(logits, shift, inv_t, 256, backend="triton")
         assert got.shape == want.shape == (5, -(-vocab // 256))
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.gpu  # and on CPU machines through Triton's interpreter
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
+def test_keyed_uniforms_kernel_equals_its_reference_bit_for_bit():
+    from dscale_runtime.kernels import triton_sampling
+    from dscale_runtime.kernels.sampling import keyed_uniforms_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not triton_sampling.interpreted():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(3)
+    lo = torch.cat([torch.randint(0, 2**32, (37,), generator=gen), torch.tensor([0, 2**32 - 1])]).to(device)
+    hi = torch.cat([torch.randint(0, 2**32, (37,), generator=gen), torch.tensor([2**32 - 1, 0])]).to(device)
+    positions = torch.randint(0, 2**45, (39, 15), generator=gen).to(device)  # past 2^32: the low 32 bits key
+    for purpose in (1, 2, 3, 4):
+        want = keyed_uniforms_ref(lo[:, None], hi[:, None], positions, purpose)
+        got = keyed_uniforms(lo[:, None], hi[:, None], positions, purpose, backend="triton")
+        assert got.dtype == torch.float64 and torch.equal(got, want)
+        flat = keyed_uniforms(lo, hi, positions[:, 0], purpose, backend="triton")
+        assert torch.equal(flat, keyed_uniforms_ref(lo, hi, positions[:, 0], purpose))
+
+
+@pytest.mark.gpu  # and on CPU machines through Triton's interpreter
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("kept", ["logits", "dense"])
+def test_sampling_kernel_draws_what_the_two_level_reference_draws(kept):
+    from dscale_runtime.kernels import triton_sampling
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not triton_sampling.interpreted():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 6, 3000
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(device)
+    logits[1, 1500:] = float("-inf")  # whole zero-weight chunks past the last positive one
+    logits[2, ::2] = float("-inf")  # zero-weight tokens between positive ones
+    sampling = SamplingRows(torch.zeros(rows, dtype=torch.bool, device=device),
+                            torch.tensor([1.0, 0.7, 1.3, 0.2, 2.0, 1.0], device=device),
+                            torch.full((rows,), -1, device=device), torch.ones(rows, device=device),
+                            torch.zeros(rows, dtype=torch.long, device=device),
+                            torch.zeros(rows, dtype=torch.long, device=device))
+    policy = make_policy(logits, sampling, False, "ref", chunk=256)
+    if kept == "dense":
+        policy = Policy.dense(policy.row_weights(torch.arange(rows, device=device)), 256)
+    u = torch.rand(rows, 120, generator=gen, dtype=torch.float64).to(device)
+    u[:, 0], u[:, 1] = 0.0, 1.0 - 2**-53  # both ends of the unit interval
+    want = torch.stack([sample(policy, u[:, i]) for i in range(u.shape[1])], dim=1)
+    got = torch.stack([sample(policy, u[:, i], backend="triton") for i in range(u.shape[1])], dim=1)
+    weights = policy.row_weights(torch.arange(rows, device=device))
+    assert (weights.gather(1, got) > 0).all()  # never a zero-weight token
+    assert (got == want).float().mean() > 0.99  # the same function up to the sums' rounding order
 
 
 def test_policy_applies_temperature_top_k_and_top_p():

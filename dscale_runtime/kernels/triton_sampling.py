@@ -1,4 +1,5 @@
-"""Triton chunk sums of a tempered softmax's weights, read straight from the logits (one pass, any float dtype).
+"""Triton kernels of the sampler: chunk sums of a tempered softmax's weights, read straight from the logits (one
+pass, any float dtype), and the counter-based uniforms of `kernels.sampling.keyed_uniforms_ref`, bit for bit.
 
 `chunk_exp_sums_triton(logits [R, V], shift [R], inv_t [R], chunk)` -> [R, C] fp32, C = ceil(V / chunk):
 sum over each chunk of exp((l - shift) * inv_t), one program per (row, chunk), static grid (graph-safe). The
@@ -31,6 +32,66 @@ def _chunk_exp_sums_kernel(logits, shift, inv_t, out, vocab, stride_row, num_chu
     tl.store(out + row * num_chunks + chunk, tl.sum(e, 0))
 
 
+@triton.jit
+def _mix32(x):
+    """lowbias32 on uint64 lanes holding 32-bit values (products of two 32-bit values fit in 64 bits)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _keyed_uniforms_kernel(seed_lo, seed_hi, positions, out, total, per_row, key, second_key,
+                           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < total
+    row = offs // per_row
+    lo = tl.load(seed_lo + row, mask=inside, other=0).to(tl.uint64) & 0xFFFFFFFF
+    hi = tl.load(seed_hi + row, mask=inside, other=0).to(tl.uint64) & 0xFFFFFFFF
+    pos = tl.load(positions + offs, mask=inside, other=0).to(tl.uint64) & 0xFFFFFFFF
+    k = tl.full([BLOCK], key, tl.uint64)
+    h = _mix32(lo ^ _mix32(hi ^ _mix32(pos ^ _mix32(k))))
+    h2 = _mix32(h ^ second_key)
+    bits = ((h >> 11) << 32) | h2  # < 2^53: exact in float64
+    tl.store(out + offs, bits.to(tl.float64) * (1.0 / 9007199254740992.0), mask=inside)
+
+
+@triton.jit
+def _sample_kernel(values, shift, inv_t, chunk_sums, u, out, vocab, stride_row, num_chunks,
+                   LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One row: locate the chunk where u x total falls (its chunk sums' running total), then the token inside
+    it (the running total of that chunk's weights, recomputed from the logits)."""
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_C)
+    valid = c < num_chunks
+    sums = tl.load(chunk_sums + row * num_chunks + c, mask=valid, other=0.0).to(tl.float64)
+    # NOTE: a parallel scan rounds each prefix in its own order, so its values need not be monotone (zeros added
+    # can still change them): pick the first positive entry whose running total exceeds the value, else the last
+    # positive entry; a zero-weight chunk or token is never chosen.
+    cum = tl.cumsum(sums, 0)
+    positive = valid & (sums > 0)
+    last = tl.max(tl.where(positive, c, -1), 0)
+    total = tl.max(tl.where(c == last, cum, 0.0), 0)
+    value = tl.load(u + row).to(tl.float64) * total
+    at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
+    prefix = tl.sum(tl.where(c < at, sums, 0.0), 0)
+    lane = tl.arange(0, CHUNK)
+    offs = at * CHUNK + lane
+    inside = offs < vocab
+    if LOGITS:
+        x = tl.load(values + row * stride_row + offs, mask=inside, other=float("-inf")).to(tl.float32)
+        w = tl.exp((x - tl.load(shift + row)) * tl.load(inv_t + row)).to(tl.float64)
+    else:
+        w = tl.load(values + row * stride_row + offs, mask=inside, other=0.0).to(tl.float64)
+    w = tl.where(inside, w, 0.0)
+    local = tl.cumsum(w, 0) + prefix
+    live = w > 0
+    k = tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0), tl.max(tl.where(live, lane, -1), 0))
+    tl.store(out + row, (at * CHUNK + k).to(tl.int64))
+
+
 def interpreted() -> bool:
     """Whether the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
     return not isinstance(_chunk_exp_sums_kernel, triton.runtime.JITFunction)
@@ -53,4 +114,43 @@ def chunk_exp_sums_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torc
         _chunk_exp_sums_kernel[(rows, num_chunks)](logits, shift.float().contiguous(), inv_t.float().contiguous(),
                                                    out, vocab, logits.stride(0), num_chunks, CHUNK=chunk,
                                                    num_warps=4)
+    return out
+
+
+def keyed_uniforms_triton(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor, key: int,
+                          second_key: int) -> torch.Tensor:
+    """seeds [R] int64, positions [R, ...] int64 contiguous -> float64 [R, ...] (row r's seeds key all of its
+    positions); `key` = the purpose's 32-bit key, `second_key` the chain's second constant."""
+    assert positions.is_contiguous() and seed_lo.shape == seed_hi.shape == positions.shape[:1]
+    if not positions.is_cuda and not interpreted():
+        raise RuntimeError("Triton draws on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
+                           "triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    out = torch.empty(positions.shape, dtype=torch.float64, device=positions.device)
+    total = positions.numel()
+    if total:
+        block = 256
+        _keyed_uniforms_kernel[(triton.cdiv(total, block),)](
+            seed_lo.long().contiguous(), seed_hi.long().contiguous(), positions.long(), out, total,
+            max(total // positions.shape[0], 1), key, second_key, BLOCK=block, num_warps=4)
+    return out
+
+
+def sample_triton(values: torch.Tensor, shift: torch.Tensor | None, inv_t: torch.Tensor | None,
+                  chunk_sums: torch.Tensor, u: torch.Tensor, chunk: int) -> torch.Tensor:
+    """One token per row of a policy (`dscale_runtime.sampling.Policy`: logits with shift / inv_t, or dense
+    weights when shift is None) at uniforms u [R] -> int64 [R], in one launch."""
+    assert values.dim() == 2 and values.stride(-1) == 1 and chunk & (chunk - 1) == 0
+    if not values.is_cuda and not interpreted():
+        raise RuntimeError("Triton sampling on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    rows, vocab = values.shape
+    out = torch.empty(rows, dtype=torch.long, device=values.device)
+    if rows:
+        logits = shift is not None
+        dummy = chunk_sums  # NOTE: never read when LOGITS is false
+        _sample_kernel[(rows,)](values, shift.float().contiguous() if logits else dummy,
+                                inv_t.float().contiguous() if logits else dummy, chunk_sums.contiguous(),
+                                u.double().contiguous(), out, vocab, values.stride(0), chunk_sums.shape[1],
+                                LOGITS=logits, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(chunk_sums.shape[1]),
+                                num_warps=4)
     return out
