@@ -325,6 +325,9 @@ def test_models_health_and_metrics(demo_server):
     per_step = values["dscale_spec_accept_length_per_step_sum"] / values["dscale_spec_accept_length_per_step_count"]
     assert per_step == pytest.approx(1 + values["dscale_accepted_drafts_total"] / values["dscale_request_steps_total"])
     assert values["dscale_verify_rows_per_step_sum"] == values["dscale_verify_rows_total"]
+    # The step each bucket runs: the engine's (EngineConfig defaults, no graphs on the CPU: DScale everywhere).
+    runs = {s.labels["bucket"]: s.labels["step"] for s in families["dscale_step_policy"].samples}
+    assert runs == {"1": "dscale", "2": "dscale", "4": "dscale", "8": "dscale"}
 
 
 def test_detokenizer_never_splits_a_character_and_holds_back_stop_prefixes(demo_reference):

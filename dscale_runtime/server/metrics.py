@@ -111,3 +111,17 @@ class _ScrapeCollector:
         yield gauge("dscale_retention", "Drafts full-width verification accepts that DScale's prefixes keep "
                     "(NaN unless --measure-retention).",
                     c.retained_drafts / c.full_width_drafts if c.full_width_drafts else float("nan"))
+        policy = getattr(engine, "step_policy", {})
+        runs = GaugeMetricFamily("dscale_step_policy", "1 for the step each graph bucket runs (target, dflash or "
+                                 "dscale; DScale's measured policy picks per bucket).",
+                                 labels=["model_name", "bucket", "step"])
+        timed = GaugeMetricFamily("dscale_step_policy_ms", "Greedy step time per bucket measured at start-up for "
+                                  "DScale's policy (DScale engines with step graphs).",
+                                  labels=["model_name", "bucket", "step"])
+        for size, entry in policy.items():
+            runs.add_metric([model, str(size), entry["mode"]], 1.0)
+            for step in ("dflash", "dscale"):
+                if step in entry:
+                    timed.add_metric([model, str(size), step], entry[step])
+        yield runs
+        yield timed
