@@ -327,7 +327,7 @@ class Engine:
         sampled = any(rule != RULE_GREEDY for rule in cols[3])
         filtered = any(k > 0 or p < 1 for k, p in zip(cols[2], cols[5]))
         positions = self._tensor([len(r.prompt_token_ids) for r in requests])
-        return target_tokens(logits, rows, positions, filtered, sampled, self.runner.sampling_backend)[0].tolist()
+        return target_tokens(logits, rows, positions, filtered, sampled)[0].tolist()
 
     def _prefill(self, requests: list[Request]) -> list[Request]:
         query = [r.all_token_ids[: r.num_tokens - 1] if r.output_token_ids else r.prompt_token_ids for r in requests]

@@ -197,7 +197,7 @@ class BucketStep:
         if kind.draft_sampling:
             rows = buf.sampling_rows(r.sampling_backend)
             per_slot = rows.rows(torch.arange(b, device=block.device).repeat_interleave(w - 1))
-            q = make_policy(logits.reshape(b * (w - 1), -1), per_slot, kind.filtered, r.sampling_backend)
+            q = make_policy(logits.reshape(b * (w - 1), -1), per_slot, kind.filtered)
             positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)  # [B, W-1] the drafts' indices
             drawn = sample(q, rows.uniforms(positions, DRAFT).reshape(-1), rows.backend).view(b, w - 1)
             block[:, 1:] = torch.where((buf.rule == RULE_SAMPLED)[:, None], drawn, block[:, 1:])
@@ -232,8 +232,7 @@ class BucketStep:
         rows = buf.sampling_rows(self.runner.sampling_backend)
         row_rows = rows.rows(meta.row_req.clamp(max=b - 1))
         # Row at position p predicts the token at index p + 1: that index keys its draw.
-        tokens, policy = target_tokens(logits, row_rows, meta.positions + 1, kind.filtered, kind.sampled,
-                                       self.runner.sampling_backend)
+        tokens, policy = target_tokens(logits, row_rows, meta.positions + 1, kind.filtered, kind.sampled)
         accepted, successor = accept_greedy(tokens, block, lens, offsets)
         if kind.draft_sampling:
             w = block.shape[1]
@@ -327,7 +326,7 @@ class StepRunner:
         self.capture_layers = tuple(drafter.config.target_layer_ids) if drafter is not None and mode != "target" else ()
         # NOTE: the confidence-feature path was chosen once with the drafter's kernels (its logits' device/dtype)
         self.features_backend = drafter.kernels.features if drafter is not None else "ref"
-        self.sampling_backend = target.kernels.fused  # the policies' chunk sums: an elementwise pass + reduction
+        self.sampling_backend = target.kernels.fused  # the sampler's kernels: chunk sums, draws, inverse CDF
         self.device = torch.device(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)
         if self.buckets[-1] < max_batch or self.buckets[0] < 1:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dscale_runtime.kernels.choice import auto_backend
-from dscale_runtime.kernels.sampling import chunk_exp_sums, keyed_uniforms_routed
+from dscale_runtime.kernels.sampling import chunk_exp_sums, keyed_uniforms  # noqa: F401 (re-exported)
 
 # Purposes of a draw (the third key of `keyed_uniforms`): one independent stream each.
 TARGET = 1  # the target's token at a position (target-only sampling, verification rows, the first token)
@@ -38,18 +38,6 @@ def split_seed(seed: int) -> tuple[int, int]:
     return seed & _MASK32, seed >> 32
 
 
-def keyed_uniforms(
-    seed_lo: torch.Tensor,  # [...] int64 in [0, 2^32)
-    seed_hi: torch.Tensor,  # [...] int64 in [0, 2^32)
-    positions: torch.Tensor,  # [...] int64 absolute token position the draw is for
-    purpose: int,
-    backend: str = "ref",
-) -> torch.Tensor:  # [...] float64 in [0, 1), a pure function of (seed, position, purpose)
-    """Uniform draws keyed by counter (`kernels.sampling.keyed_uniforms_ref` is the definition: 53 random bits
-    from two chained 32-bit hashes of the key); `backend` 'triton' computes them in one kernel, bit for bit."""
-    return keyed_uniforms_routed(seed_lo, seed_hi, positions, purpose, backend)
-
-
 @dataclass
 class SamplingRows:
     """Per-row policy and draw keys (rows: requests, or verification rows gathered with `.rows`)."""
@@ -60,7 +48,7 @@ class SamplingRows:
     top_p: torch.Tensor  # [R] float32, 1 means off
     seed_lo: torch.Tensor  # [R] int64
     seed_hi: torch.Tensor  # [R] int64
-    backend: str = "ref"  # the draws' path (`keyed_uniforms`): the runner passes the target's `fused` choice
+    backend: str = "ref"  # the sampler's kernel path (draws, chunk sums, inverse CDF): the target's `fused`
 
     def rows(self, index: torch.Tensor) -> "SamplingRows":
         """The same parameters for rows that belong to requests `index` [M]."""
@@ -138,17 +126,17 @@ class Policy:
         return self.weights_at(rows, cols) / self.total[rows]
 
 
-def make_policy(logits: torch.Tensor, rows: SamplingRows, filtered: bool, backend: str = "auto",
+def make_policy(logits: torch.Tensor, rows: SamplingRows, filtered: bool, backend: str | None = None,
                 chunk: int = CDF_CHUNK, row_max: torch.Tensor | None = None) -> Policy:
     """The policy of logits [R, V]: with `filtered`, dense `policy_probs`; else the tempered softmax kept as
     logits, whose chunk sums are the only full pass over the row (`kernels.sampling.chunk_exp_sums`: one
-    Triton read of the logits on CUDA; `backend` is the target's KernelChoice `fused`). `row_max` [R]: the
-    logits' row maxima when the caller has them."""
+    Triton read of the logits on CUDA; `backend`, default the rows' own, is the target's KernelChoice `fused`).
+    `row_max` [R]: the logits' row maxima when the caller has them."""
     if filtered:
         return Policy.dense(policy_probs(logits, rows, filtered), chunk)
     shift = (logits.amax(dim=-1) if row_max is None else row_max).float()
     inv_t = 1.0 / rows.temperature.float().clamp_min(1e-6)
-    return Policy(logits, shift, inv_t, chunk_exp_sums(logits, shift, inv_t, chunk, backend), chunk)
+    return Policy(logits, shift, inv_t, chunk_exp_sums(logits, shift, inv_t, chunk, backend or rows.backend), chunk)
 
 
 def sample(policy: Policy, u: torch.Tensor, backend: str = "ref") -> torch.Tensor:
@@ -198,14 +186,15 @@ def sample_inverse_cdf_ref(weights: torch.Tensor, u: torch.Tensor) -> torch.Tens
 
 
 def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, filtered: bool,
-                  sampled: bool, backend: str = "auto") -> tuple[torch.Tensor, Policy | None]:
+                  sampled: bool) -> tuple[torch.Tensor, Policy | None]:
     """The target's token for every row of logits [R, V] -> (tokens [R], its policy or None).
 
     Greedy rows take the argmax; when `sampled` (a host decision: some row samples) the others take
-    inverse-CDF(policy, u(seed, position, TARGET)), `positions` [R] being the index of the token drawn."""
+    inverse-CDF(policy, u(seed, position, TARGET)), `positions` [R] being the index of the token drawn; every
+    sampler kernel runs on the rows' `backend`."""
     if not sampled:
         return logits.argmax(dim=-1), None
     row_max, argmax = logits.max(dim=-1)  # NOTE: one read gives the greedy token and the policy's shift
-    policy = make_policy(logits, rows, filtered, backend, row_max=row_max)
+    policy = make_policy(logits, rows, filtered, row_max=row_max)
     drawn = sample(policy, rows.uniforms(positions, TARGET), rows.backend)
     return torch.where(rows.greedy, argmax, drawn), policy

@@ -106,15 +106,28 @@ def test_a_policy_kept_as_logits_is_the_policy(filtered):
     assert (draws == ref).float().mean() > 0.99
 
 
-@pytest.mark.gpu  # and on CPU machines through Triton's interpreter
-@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
-def test_chunk_sums_kernel_equals_its_reference():
+needs_triton = pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None,
+                                  reason="triton is not installed")
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """Where the sampler's Triton kernels run: CUDA, or the CPU through Triton's interpreter (else skip)."""
     from dscale_runtime.kernels import triton_sampling
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if not triton_sampling.interpreted():
+        pytest.skip("triton was imported without TRITON_INTERPRET=1")
+    return "cpu"
+
+
+@pytest.mark.gpu  # and on CPU machines through Triton's interpreter
+@needs_triton
+def test_chunk_sums_kernel_equals_its_reference(kernel_device):
     from dscale_runtime.kernels.sampling import chunk_exp_sums, chunk_exp_sums_ref
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not triton_sampling.interpreted():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1")
+    device = kernel_device
     gen = torch.Generator().manual_seed(2)
     for dtype, vocab in ((torch.float32, 5000), (torch.bfloat16, 1024), (torch.float16, 777), (torch.bfloat16, 151936)):
         logits = (torch.randn(5, vocab, generator=gen) * 4).to(dtype).to(device)
@@ -127,14 +140,11 @@ def test_chunk_sums_kernel_equals_its_reference():
 
 
 @pytest.mark.gpu  # and on CPU machines through Triton's interpreter
-@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
-def test_keyed_uniforms_kernel_equals_its_reference_bit_for_bit():
-    from dscale_runtime.kernels import triton_sampling
+@needs_triton
+def test_keyed_uniforms_kernel_equals_its_reference_bit_for_bit(kernel_device):
     from dscale_runtime.kernels.sampling import keyed_uniforms_ref
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not triton_sampling.interpreted():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1")
+    device = kernel_device
     gen = torch.Generator().manual_seed(3)
     lo = torch.cat([torch.randint(0, 2**32, (37,), generator=gen), torch.tensor([0, 2**32 - 1])]).to(device)
     hi = torch.cat([torch.randint(0, 2**32, (37,), generator=gen), torch.tensor([2**32 - 1, 0])]).to(device)
@@ -148,14 +158,10 @@ def test_keyed_uniforms_kernel_equals_its_reference_bit_for_bit():
 
 
 @pytest.mark.gpu  # and on CPU machines through Triton's interpreter
-@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="triton is not installed")
+@needs_triton
 @pytest.mark.parametrize("kept", ["logits", "dense"])
-def test_sampling_kernel_draws_what_the_two_level_reference_draws(kept):
-    from dscale_runtime.kernels import triton_sampling
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not triton_sampling.interpreted():
-        pytest.skip("triton was imported without TRITON_INTERPRET=1")
+def test_sampling_kernel_draws_what_the_two_level_reference_draws(kept, kernel_device):
+    device = kernel_device
     gen = torch.Generator().manual_seed(4)
     rows, vocab = 6, 3000
     logits = (torch.randn(rows, vocab, generator=gen) * 3).to(device)

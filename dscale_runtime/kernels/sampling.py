@@ -49,10 +49,11 @@ def keyed_uniforms_ref(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: 
     return (((h >> 11) << 32) | h2).double() / float(1 << 53)
 
 
-def keyed_uniforms_routed(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor, purpose: int,
-                          backend: str = "ref") -> torch.Tensor:
-    """`keyed_uniforms_ref` through the path `backend` names. The Triton path takes seeds [R, 1, ...] (or [R])
-    broadcast along positions [R, ...]; other layouts take the reference."""
+def keyed_uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torch.Tensor, purpose: int,
+                   backend: str = "ref") -> torch.Tensor:
+    """Uniform draws keyed by counter, float64 in [0, 1), a pure function of (seed, position, purpose):
+    `keyed_uniforms_ref` (the definition) through the path `backend` names, bit for bit. The Triton path takes
+    seeds [R, 1, ...] (or [R]) broadcast along positions [R, ...]; other layouts take the reference."""
     check_backend(backend, "DSCALE_FUSED")
     if backend == "auto":
         backend = auto_backend(positions.device, torch.float32)
