@@ -34,6 +34,7 @@ from dscale_runtime.kernels import KernelChoice  # noqa: E402
 
 def replay_ms(step, reps: int = 20) -> float:
     """Median milliseconds of one replay of a captured step (its buffers as the last engine step left them)."""
+    step.buf.host.fill_(1)  # NOTE: replay the inputs the last step resolved, not the device state it advanced
     times = []
     for _ in range(reps + 3):
         sync()
@@ -49,11 +50,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_mode(mode: str, models, args, mixed: bool) -> dict:
+def run_mode(mode: str, models, args, mixed: bool, overlap: bool = True) -> dict:
     target, drafter, predictor, projection = models
     cfg = EngineConfig(mode=mode, max_running_requests=args.concurrency, device=args.device, dtype=args.dtype,
                        max_model_len=args.prompt_len + args.max_tokens + 32, step_graphs=args.device == "cuda",
-                       graph_buckets=(args.concurrency,), sampling_rule=args.sampling_rule)
+                       graph_buckets=(args.concurrency,), sampling_rule=args.sampling_rule,
+                       overlap_schedule=overlap)
     t0 = time.perf_counter()
     engine = Engine(target, drafter if mode != "target" else None, cfg, eos_token_ids=set(),
                     predictor=predictor if mode == "dscale" else None,
@@ -85,7 +87,7 @@ def run_mode(mode: str, models, args, mixed: bool) -> dict:
     step_ms = replay_ms(engine.runner.steps[(size, kind)])
     wall_ms = decode_s / steps * 1000
     accepted = engine.counters.accepted_drafts / max(engine.counters.request_steps, 1)
-    return {"mode": mode, "mixed_half_sampled": mixed, "capture_and_build_s": round(capture_s, 2),
+    return {"mode": mode, "overlap_schedule": overlap, "mixed_half_sampled": mixed, "capture_and_build_s": round(capture_s, 2),
             "prefill_s": round(prefill_s, 3), "decode_tokens_per_s": round(tokens / decode_s, 1),
             "decode_steps": steps, "engine_ms_per_step": round(wall_ms, 3), "replay_ms": round(step_ms, 3),
             "wall_over_replay": round(wall_ms / step_ms, 3), "accepted_per_step": round(accepted, 3),
@@ -99,6 +101,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--sampling-rule", default="auto")
     parser.add_argument("--modes", nargs="+", default=["target", "dflash", "dscale"])
+    parser.add_argument("--overlap", nargs="+", default=["on", "off"], choices=["on", "off"],
+                        help="EngineConfig.overlap_schedule settings to run")
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
@@ -116,21 +120,25 @@ def main() -> None:
     models = (target, drafter, predictor, projection)
     rows = []
     with torch.no_grad():
+        for overlap in (o == "on" for o in args.overlap):
+            for mode in args.modes:
+                for mixed in (False, True):
+                    row = run_mode(mode, models, args, mixed, overlap)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+    for overlap in (o == "on" for o in args.overlap):
         for mode in args.modes:
-            for mixed in (False, True):
-                row = run_mode(mode, models, args, mixed)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                if args.device == "cuda":
-                    torch.cuda.empty_cache()
-    for mode in args.modes:
-        greedy, mixed = (next(r for r in rows if r["mode"] == mode and r["mixed_half_sampled"] == m) for m in (0, 1))
-        mixed["mixed_over_greedy_step"] = round(mixed["engine_ms_per_step"] / greedy["engine_ms_per_step"], 3)
+            greedy, mixed = (next(r for r in rows if r["mode"] == mode and r["mixed_half_sampled"] == m
+                                  and r["overlap_schedule"] == overlap) for m in (0, 1))
+            mixed["mixed_over_greedy_step"] = round(mixed["engine_ms_per_step"] / greedy["engine_ms_per_step"], 3)
     result = {"command": "python benchmarks/engine_8b.py " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
                   for k, v in vars(args).items() if k != "out"),
               "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "rows": rows}
-    print(json.dumps({r["mode"] + (" mixed" if r["mixed_half_sampled"] else ""): (
+    print(json.dumps({r["mode"] + (" mixed" if r["mixed_half_sampled"] else "") + (
+        "" if r["overlap_schedule"] else " no-overlap"): (
         r["decode_tokens_per_s"], r["wall_over_replay"], r.get("mixed_over_greedy_step")) for r in rows}))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

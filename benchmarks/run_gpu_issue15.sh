@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issues 15 and 18 on the device (2026-12-01): GPU tests, then the timings, in parts that fit one 10-minute call.
-# Usage: bash benchmarks/run_gpu_issue15.sh OUT_DIR tests|e2e|steps
+# Usage: bash benchmarks/run_gpu_issue15.sh OUT_DIR tests|engine8b|e2e|steps|dp
 # Wheels the GPU image lacks (sglang-router and its dependencies, jsonargparse) are installed from _wheels/ when
 # that folder exists (pip download ... -d _wheels on a machine with the registry).
 set -uo pipefail
-out=${1:?usage: bash benchmarks/run_gpu_issue15.sh OUT_DIR tests|e2e|steps}
-part=${2:?part: tests, e2e or steps}
+out=${1:?usage: bash benchmarks/run_gpu_issue15.sh OUT_DIR tests|engine8b|e2e|steps|dp}
+part=${2:?part: tests, engine8b, e2e, steps or dp}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -21,10 +21,17 @@ case "$part" in
       --profile-sampling greedy sampled --out "$out/profile_demo.json" 2>&1 | grep "profile N" | tee "$out/profile_demo.log"
     ;;
   e2e)
-    timeout 400 python benchmarks/demo_gpu_e2e.py --prompts 96 --max-tokens 128 --concurrency 8 32 --step-graphs \
-      --sampling 0 1 0.7/0.8 --out "$out/demo_e2e.json" 2>&1 | tee "$out/demo_e2e.log" | grep "^c="
+    timeout 450 python benchmarks/demo_gpu_e2e.py --prompts 96 --max-tokens 128 --concurrency 8 32 --step-graphs \
+      --sampling 0 1 0.7/0.8 --repeats 3 --no-overlap-too --out "$out/demo_e2e.json" 2>&1 | tee "$out/demo_e2e.log" \
+      | grep "^c="
+    ;;
+  dp)
     timeout 150 python benchmarks/dp_gpu_check.py --prompts 64 --max-tokens 64 --concurrency 16 --log-dir "$out/dp_logs" \
       --out "$out/dp_gpu.json" 2>&1 | tail -30
+    ;;
+  engine8b)
+    timeout 400 python benchmarks/engine_8b.py --overlap on off --out "$out/engine_8b.json" 2>&1 | tail -3 \
+      | tee "$out/engine_8b.log"
     ;;
   steps)
     timeout 330 python benchmarks/gpu_step.py --shapes qwen3-8b --sections buckets --max-n 64 --bucket-reps 5 \

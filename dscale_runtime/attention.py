@@ -50,6 +50,15 @@ class AttentionMetadata:
         return self.query_starts, self.query_lens
 
 
+def host_to_device(values, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values as a device tensor; on CUDA through pinned memory, so the host does not wait for the work
+    queued before the copy (the engine builds a prefill while a decode step runs)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def build_metadata(
     query_lens: list[int],
     ctx_lens: list[int],
@@ -61,9 +70,9 @@ def build_metadata(
     """Metadata for requests whose `query_lens[i]` new rows start at position `ctx_lens[i]`."""
     assert len(query_lens) == len(ctx_lens) == len(block_tables)
     max_pages = max((len(t) for t in block_tables), default=1) or 1
-    tables = torch.tensor([t + [0] * (max_pages - len(t)) for t in block_tables], dtype=torch.long, device=device)
-    q = torch.tensor(query_lens, dtype=torch.long, device=device)
-    ctx = torch.tensor(ctx_lens, dtype=torch.long, device=device)
+    tables = host_to_device([t + [0] * (max_pages - len(t)) for t in block_tables], device)
+    q = host_to_device(query_lens, device)
+    ctx = host_to_device(ctx_lens, device)
     num_rows = sum(query_lens)
     row_req = torch.repeat_interleave(torch.arange(len(query_lens), device=device), q, output_size=num_rows)
     starts = torch.cumsum(q, 0) - q

@@ -62,6 +62,12 @@ class EngineConfig:
     """Capture the step runner's decode steps (`dscale_runtime/runner.py`) as CUDA graphs, one per batch bucket
     and step kind, at start-up (CUDA only). Every step runs through the runner either way; without graphs it
     runs eagerly (always on the CPU)."""
+    overlap_schedule: bool = True
+    """Launch each decode step before the previous one is committed on the host: the device advances the next
+    step's inputs from the verified results, and the host reads and commits a step behind (stop rules,
+    streaming), discarding what a finished request produced after its end; output is unchanged. It hides the
+    host's work behind the device's (SGLang's overlap scheduler). Off (or while step observers are registered):
+    every step is committed before the next one starts."""
     graph_buckets: tuple[int, ...] | None = None
     """Batch sizes the runner keeps fixed buffers (and, with `step_graphs`, graphs) for: a batch of n runs in the
     smallest bucket >= n. None: 1, 2, 4, every multiple of 4 to 64, of 8 beyond, up to `max_running_requests`

@@ -3,7 +3,11 @@ prefill and commit.
 
 One step: schedule -> prefill the admitted requests -> one decode step of the running batch through the step
 runner (`runner.py`: draft, decide, verify, inject, on fixed buffers, captured on CUDA) -> commit on the host
-(stop rules, lengths, observers). `mode="target"` is the runner's step with W = 1 and no drafter: the
+(stop rules, lengths, observers). With `EngineConfig.overlap_schedule` (the default) the commit runs a step
+behind: each call launches the next decode step first, its inputs (anchors, context lengths, DScale's context
+features) advanced on the device from the previous step's verified results, then reads and commits the
+previous step while the device runs; what a request produced after it finished is discarded, so the output is
+the same token for token. Admission and preemption wait for the commit (the engine drains first). `mode="target"` is the runner's step with W = 1 and no drafter: the
 reference every speculative mode must reproduce token for token under greedy decoding (and, with the top-1
 rule, under seeded sampling).
 """
@@ -17,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from dscale_runtime.attention import build_metadata
+from dscale_runtime.attention import build_metadata, host_to_device
 from dscale_runtime.config import EngineConfig, RequestOutput, SamplingParams
 from dscale_runtime.dvl.features import FeatureSpec, context_features
 from dscale_runtime.dvl.features import hidden_projection as seeded_projection
@@ -26,9 +30,9 @@ from dscale_runtime.kv_cache import PageAllocator, PagedKVCache
 from dscale_runtime.models.dflash import DFlashDraftModel
 from dscale_runtime.models.loader import load_drafter, load_target, load_tokenizer, read_eos_ids, resolve_dtype
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
-from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1, StepKind, StepResult, StepRunner
+from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1, AsyncRead, StepKind, StepResult, StepRunner
 from dscale_runtime.sampling import SamplingRows, split_seed, target_tokens
-from dscale_runtime.scheduler import Request, Scheduler
+from dscale_runtime.scheduler import Request, Scheduler, Status
 from dscale_runtime.stats import EngineCounters, StepStats, StepTrace, retained_drafts
 
 log = logging.getLogger("dscale.engine")
@@ -78,7 +82,10 @@ class Engine:
             self.predictor = predictor.to(self.device).eval()
             self.hidden_projection = hidden_projection.to(self.device)
         lookahead = self.block_size
-        cache_tokens = config.kv_cache_tokens or config.max_running_requests * (config.max_model_len + lookahead)
+        # NOTE: the overlap schedule launches a step before the previous one is committed: two blocks of room
+        self.overlap_lookahead = 2 * self.block_size
+        cache_tokens = config.kv_cache_tokens or config.max_running_requests * (
+            config.max_model_len + (self.overlap_lookahead if config.overlap_schedule else lookahead))
         if cache_tokens < config.max_model_len + lookahead:
             raise ValueError(
                 f"EngineConfig.kv_cache_tokens={cache_tokens} cannot hold one request of max_model_len "
@@ -110,7 +117,7 @@ class Engine:
             target, drafter if config.mode != "target" else None, self.target_cache.layers,
             self.drafter_cache.layers if self.drafter_cache is not None else None, mode=config.mode,
             block_size=self.block_size, max_batch=config.max_running_requests,
-            max_pages=-(-(config.max_model_len + lookahead) // config.page_size), page_size=config.page_size,
+            max_pages=-(-(config.max_model_len + self.overlap_lookahead) // config.page_size), page_size=config.page_size,
             budget_ratio=config.budget_ratio, full_width_max_batch=config.full_width_max_batch,
             feature_spec=self.feature_spec, predictor=self.predictor, projection=self.hidden_projection,
             buckets=list(config.graph_buckets) if config.graph_buckets else None,
@@ -120,6 +127,7 @@ class Engine:
             self.runner.prepare(self._serving_kinds())
             if self.runner.bucket_modes:
                 log.info("DScale policy (measured step ms per bucket): %s", self.step_policy)
+        self._pending: list = []  # launched steps not committed yet, oldest first: callables -> finished requests
         self._ids = itertools.count()
         self._generator = torch.Generator()
         self._generator.manual_seed(config.seed)
@@ -207,7 +215,7 @@ class Engine:
             self.scheduler.finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished()  # NOTE: launched steps of finished requests only commit nothing
 
     def generated_token_ids(self, request_id: str, start: int = 0) -> list[int]:
         """Tokens an unfinished request has generated so far, from index `start` on (the streaming hook).
@@ -236,18 +244,47 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
-        admitted, decoding = self.scheduler.schedule()
+        """Run one engine step; returns the requests that finished in it (with the overlap schedule, those
+        the commit of the previous decode step finished)."""
         finished: list[Request] = []
-        if admitted:
-            finished += self._isolated(self._prefill, admitted)
-        if decoding:
-            finished += self._isolated(self._decode, decoding)
+        running = list(self.scheduler.running)
+        if self._pending and not (running and self._overlapping()
+                                  and self.scheduler.reserve(running, self.overlap_lookahead)):
+            finished += self._drain()
+        if self._pending:
+            # Overlap: launch the next step first, commit the previous ones while it runs, then admit.
+            launched = len(self._pending)
+            finished += self._isolated(self._decode, running)
+            finished += self._drain(upto=launched)
+            admitted = self.scheduler.admit()
+            if admitted:
+                finished += self._isolated(self._prefill, admitted)
+        else:
+            admitted, decoding = self.scheduler.schedule()
+            if admitted:
+                finished += self._isolated(self._prefill, admitted)
+            if decoding:
+                finished += self._isolated(self._decode, decoding)
+        if not self._overlapping():
+            finished += self._drain()
         outputs = []
         for request in finished:
             self.requests.pop(request.request_id, None)
             outputs.append(self._output(request))
         return outputs
+
+    def _overlapping(self) -> bool:
+        """Whether commits may run a step behind: the overlap schedule is on and no step observer waits for
+        each step's trace."""
+        return self.config.overlap_schedule and not self.step_observers
+
+    def _drain(self, upto: int | None = None) -> list[Request]:
+        """Commit the launched steps, oldest first (the first `upto` of them); returns the finished requests."""
+        finished = []
+        count = len(self._pending) if upto is None else upto
+        for _ in range(count):
+            finished += self._pending.pop(0)()
+        return finished
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -282,8 +319,8 @@ class Engine:
         half = len(requests) // 2
         return self._isolated(part, requests[:half]) + self._isolated(part, requests[half:])
 
-    def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
+        return host_to_device(values, self.device, dtype)
 
     def _rule(self, params: SamplingParams) -> int:
         """The acceptance rule of a request (`EngineConfig.sampling_rule`; DESIGN 3.5)."""
@@ -316,20 +353,21 @@ class Engine:
                         draft_sampling=mode != "target" and RULE_SAMPLED in rules, features=traced,
                         retention=self.config.measure_retention and mode == "dscale")
 
-    def _first_tokens(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """The first generated token of each request from its prompt's last logits [n, V] (the same draw
-        target-only decoding makes at that position)."""
+    def _first_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The first generated token of each request [n] (on the device) from its prompt's last logits [n, V]
+        (the same draw target-only decoding makes at that position)."""
         cols = list(zip(*(r.sampling for r in requests)))
-        rows = SamplingRows(self._tensor(cols[3]) == RULE_GREEDY,
-                            torch.tensor(cols[4], dtype=torch.float32, device=self.device), self._tensor(cols[2]),
-                            torch.tensor(cols[5], dtype=torch.float32, device=self.device), self._tensor(cols[0]),
+        rows = SamplingRows(self._tensor(cols[3]) == RULE_GREEDY, self._tensor(cols[4], torch.float32),
+                            self._tensor(cols[2]), self._tensor(cols[5], torch.float32), self._tensor(cols[0]),
                             self._tensor(cols[1]), self.runner.sampling_backend)
         sampled = any(rule != RULE_GREEDY for rule in cols[3])
         filtered = any(k > 0 or p < 1 for k, p in zip(cols[2], cols[5]))
         positions = self._tensor([len(r.prompt_token_ids) for r in requests])
-        return target_tokens(logits, rows, positions, filtered, sampled)[0].tolist()
+        return target_tokens(logits, rows, positions, filtered, sampled)[0]
 
     def _prefill(self, requests: list[Request]) -> list[Request]:
+        """Prefill the requests' prompts (and a preempted request's tokens so far) and draw each fresh request's
+        first token on the device, where the next decode step reads it; the host commits it later (`_drain`)."""
         query = [r.all_token_ids[: r.num_tokens - 1] if r.output_token_ids else r.prompt_token_ids for r in requests]
         lens = [len(q) for q in query]
         meta = build_metadata(lens, [0] * len(requests), [r.pages for r in requests], self.config.page_size,
@@ -340,37 +378,71 @@ class Engine:
         if features is not None:
             self.drafter.inject_context(features, meta.positions, meta.slot_mapping, self.drafter_cache.layers)
         self.counters.prefill_tokens += sum(lens)
-        fresh = [i for i, r in enumerate(requests) if not r.output_token_ids]
         for request, n in zip(requests, lens):
             request.num_computed = n
-        finished = []
-        if fresh:
-            first = self._first_tokens(logits[self._tensor(fresh)], [requests[i] for i in fresh])
-            for i, token in zip(fresh, first):
-                if self._commit_or_fail(requests[i], [token]):
-                    finished.append(requests[i])
-        return finished
+        fresh = [r for r in requests if not r.output_token_ids]
+        if not fresh:
+            return []
+        rows = self._tensor([i for i, r in enumerate(requests) if not r.output_token_ids])
+        first = self._first_tokens(logits[rows], fresh)
+        self.runner.state.start(self._tensor([r.slot for r in fresh]), first,
+                                self._tensor([r.num_computed for r in fresh]))
+        read = AsyncRead(first)
+        for request in fresh:
+            request.ahead += 1
+
+        def commit() -> list[Request]:
+            finished = []
+            for request, token in zip(fresh, read.get().tolist()):
+                request.ahead -= 1
+                if request.status is Status.RUNNING and self._commit_or_fail(request, [token]):
+                    finished.append(request)
+            return finished
+
+        self._pending.append(commit)
+        return []
 
     def _decode(self, requests: list[Request]) -> list[Request]:
-        """One decode step of the running batch through the runner, then the host commit."""
+        """Launch one decode step of the running batch through the runner; its host commit is queued
+        (`_drain`). A request with a launched, uncommitted step starts from the device state."""
         n = len(requests)
         mode = self.runner.mode_for(n)
         kind = self._step_kind(requests, mode)
         ctx = [r.num_computed for r in requests]
         decode_steps = [r.stats.num_steps for r in requests]
         context = None
-        if mode == "dscale" or kind.features:
+        if self.runner.state.history is not None or kind.features:  # DScale's decisions read the history
             context = context_features(self.feature_spec, n, ctx, decode_steps,
                                        [r.stats.accepted_lens for r in requests], "cpu").numpy()
-        result: StepResult = self.runner.run([r.last_token_id for r in requests], ctx, [r.pages for r in requests],
-                                             [r.sampling for r in requests], kind, context)
+        pending = self.runner.launch([r.last_token_id for r in requests], ctx, [r.pages for r in requests],
+                                     [r.sampling for r in requests], kind, context, [r.slot for r in requests],
+                                     [r.ahead == 0 for r in requests])
+        for request in requests:
+            request.ahead += 1
+
+        def commit() -> list[Request]:
+            for request in requests:
+                request.ahead -= 1
+            return self._commit_step(requests, pending.result(), mode, kind, ctx, decode_steps)
+
+        self._pending.append(commit)
+        return []
+
+    def _commit_step(self, requests: list[Request], result: StepResult, mode: str, kind: StepKind,
+                     ctx: list[int], decode_steps: list[int]) -> list[Request]:
+        """Commit one decode step's results. Rows of requests that finished after it was launched (their
+        output ended in the step before, or an abort) commit nothing; the step's statistics count every row
+        the device verified."""
         full = result.full_accepted
         if self.config.measure_retention and self.config.mode == "dscale" and mode != "dscale":
             full = result.accepted  # a full-width step retains everything
-        finished = self._advance(requests, result.accepted, result.successors, result.drafts, result.verify_lens)
         self._record(requests, result.accepted, result.verify_lens, result.num_rows, full)
+        live = [i for i, r in enumerate(requests) if r.status is Status.RUNNING]
+        finished = self._advance([requests[i] for i in live], [result.accepted[i] for i in live],
+                                 [result.successors[i] for i in live], [result.drafts[i] for i in live],
+                                 [result.verify_lens[i] for i in live])
         if self.step_observers and result.features is not None:
-            trace = StepTrace([r.request_id for r in requests], decode_steps, ctx, n, result.features,
+            trace = StepTrace([r.request_id for r in requests], decode_steps, ctx, len(requests), result.features,
                               result.accepted, result.verify_lens)
             for observer in self.step_observers:
                 observer(trace)

@@ -70,28 +70,44 @@ class StepKind:
     retention: bool = False  # DScale: a full-width pass first, for the accepted count it would have had
 
 
-# Layout of the integer buffer: per-request fields, then the block tables, then the budget M_live.
-INT_FIELDS = ("anchor", "ctx", "live", "seed_lo", "seed_hi", "top_k", "rule")
+# Layout of the integer buffer: per-request fields, then the block tables, then the budget M_live. `slot` is the
+# request's row of the runner's `DeviceState`; `host` is 1 where the staged anchor / ctx / context are the
+# request's current state, 0 where the device state is newer (a step of it launched but not yet committed).
+INT_FIELDS = ("anchor", "ctx", "live", "seed_lo", "seed_hi", "top_k", "rule", "slot", "host")
 FLOAT_FIELDS = ("temperature", "top_p")
+
+
+class _Staging:
+    """One host copy of a bucket's inputs (pinned on CUDA) and the event of its latest host-to-device copy."""
+
+    def __init__(self, n_int: int, n_float: int, pinned: bool) -> None:
+        self.ints = torch.zeros(n_int, dtype=torch.long, pin_memory=pinned)
+        self.floats = torch.zeros(n_float, dtype=torch.float32, pin_memory=pinned)
+        self.np_int, self.np_float = self.ints.numpy(), self.floats.numpy()
+        self.copied = torch.cuda.Event() if pinned else None
+        self.pending = False
 
 
 class StepBuffers:
     """Fixed-address inputs of a bucket of `size` requests, filled from host staging by one copy per dtype.
 
-    Device views (each contiguous): anchor / ctx / live / seed_lo / seed_hi / top_k / rule [B] int64,
-    block_tables [B, max_pages] int64, budget [] int64, temperature / top_p [B] float32, context [B, C]."""
+    Device views (each contiguous): anchor / ctx / live / seed_lo / seed_hi / top_k / rule / slot / host [B]
+    int64, block_tables [B, max_pages] int64, budget [] int64, temperature / top_p [B] float32, context [B, C].
+    On CUDA two pinned stagings alternate: a step is staged while the previous one's copy may still be queued
+    behind the running step (the engine launches step t + 1 before it reads step t)."""
 
-    def __init__(self, size: int, max_pages: int, num_context: int, page_size: int, device: torch.device) -> None:
+    def __init__(self, size: int, max_pages: int, num_context: int, page_size: int, device: torch.device,
+                 dummy_slot: int = 0) -> None:
         self.size, self.max_pages, self.page_size, self.max_kv = size, max_pages, page_size, max_pages * page_size
-        self.num_context = num_context
-        b, n_int = size, size * (len(INT_FIELDS) + max_pages) + 1
-        n_float = size * (len(FLOAT_FIELDS) + num_context)
+        self.num_context, self.dummy_slot = num_context, dummy_slot
+        b = size
+        self.n_int, self.n_float = size * (len(INT_FIELDS) + max_pages) + 1, size * (len(FLOAT_FIELDS) + num_context)
         on_cpu = device.type == "cpu"
-        self.host_int = torch.zeros(n_int, dtype=torch.long, pin_memory=not on_cpu)
-        self.host_float = torch.zeros(n_float, dtype=torch.float32, pin_memory=not on_cpu)
-        self.dev_int = self.host_int if on_cpu else torch.zeros(n_int, dtype=torch.long, device=device)
-        self.dev_float = self.host_float if on_cpu else torch.zeros(n_float, dtype=torch.float32, device=device)
-        self.np_int, self.np_float = self.host_int.numpy(), self.host_float.numpy()
+        self.stagings = [_Staging(self.n_int, self.n_float, not on_cpu) for _ in range(1 if on_cpu else 2)]
+        self._turn = 0
+        first = self.stagings[0]
+        self.dev_int = first.ints if on_cpu else torch.zeros(self.n_int, dtype=torch.long, device=device)
+        self.dev_float = first.floats if on_cpu else torch.zeros(self.n_float, dtype=torch.float32, device=device)
         for i, name in enumerate(INT_FIELDS):
             setattr(self, name, self.dev_int[i * b : (i + 1) * b])
         start = len(INT_FIELDS) * b
@@ -101,18 +117,22 @@ class StepBuffers:
             setattr(self, name, self.dev_float[i * b : (i + 1) * b])
         start = len(FLOAT_FIELDS) * b
         self.context = self.dev_float[start:].view(b, num_context)
-        self._np_tables = self.np_int[len(INT_FIELDS) * b : len(INT_FIELDS) * b + b * max_pages].reshape(b, max_pages)
-        self._np_context = self.np_float[len(FLOAT_FIELDS) * b :].reshape(b, num_context)
 
     def fill(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
-             budget: int, context: np.ndarray | None) -> None:
+             budget: int, context: np.ndarray | None, slots: list[int] | None = None,
+             host: list[bool] | None = None) -> None:
         """Stage one step's inputs on the host and copy them to the device (non-blocking from pinned memory).
 
-        sampling[i] = (seed_lo, seed_hi, top_k, rule, temperature, top_p) of request i; padding rows get zeros
-        (temperature 1, top_p 1) and scratch-page tables."""
-        n, b = len(anchors), self.size
-        ints, floats = self.np_int, self.np_float
-        ints[: len(INT_FIELDS) * b + b * self.max_pages].fill(0)  # NOTE: SCRATCH_PAGE == 0: padding on scratch
+        sampling[i] = (seed_lo, seed_hi, top_k, rule, temperature, top_p) of request i; slots[i] its row of the
+        device state (default: the dummy row) and host[i] whether the staged anchor / ctx / context are current
+        (default: all). Padding rows get zeros (temperature 1, top_p 1), the dummy slot and scratch-page tables."""
+        n, b, f = len(anchors), self.size, len(INT_FIELDS)
+        staging = self.stagings[self._turn]
+        self._turn = (self._turn + 1) % len(self.stagings)
+        if staging.pending:  # NOTE: its previous copy must have left before it is overwritten
+            staging.copied.synchronize()
+        ints, floats = staging.np_int, staging.np_float
+        ints[: f * b + b * self.max_pages].fill(0)  # NOTE: SCRATCH_PAGE == 0: padding on scratch
         assert SCRATCH_PAGE == 0
         ints[0:n] = anchors
         ints[b : b + n] = ctx
@@ -125,19 +145,50 @@ class StepBuffers:
             floats[b : 2 * b].fill(1.0)
             floats[0:n] = cols[:, 4]
             floats[b : b + n] = cols[:, 5]
+        ints[7 * b : 8 * b] = self.dummy_slot
+        if slots is not None:
+            ints[7 * b : 7 * b + n] = slots
+        ints[8 * b : 9 * b] = 1
+        if host is not None:
+            ints[8 * b : 8 * b + n] = host
+        tables = ints[f * b : f * b + b * self.max_pages].reshape(b, self.max_pages)
         for i, table in enumerate(pages):
-            self._np_tables[i, : len(table)] = table
+            tables[i, : len(table)] = table
         ints[-1] = budget
-        self._np_context.fill(0.0)
+        staged_context = floats[len(FLOAT_FIELDS) * b :].reshape(b, self.num_context)
+        staged_context.fill(0.0)
         if context is not None:
-            self._np_context[:n] = context
-        if self.dev_int is not self.host_int:
-            self.dev_int.copy_(self.host_int, non_blocking=True)
-            self.dev_float.copy_(self.host_float, non_blocking=True)
+            staged_context[:n] = context
+        if staging.copied is not None:
+            self.dev_int.copy_(staging.ints, non_blocking=True)
+            self.dev_float.copy_(staging.floats, non_blocking=True)
+            staging.copied.record()
+            staging.pending = True
 
     def sampling_rows(self, backend: str = "ref") -> SamplingRows:
         return SamplingRows(self.rule == RULE_GREEDY, self.temperature, self.top_k, self.top_p, self.seed_lo,
                             self.seed_hi, backend)
+
+
+class DeviceState:
+    """Per-request decode state on the device, one row per engine slot (+ a dummy row for padding): the next
+    anchor, the context length and (DScale) the request's context-feature history, written by every step from
+    its verified results so the next step can start before the host has read them (DESIGN: the overlap
+    schedule). Rows: anchor [S + 1], ctx [S + 1], history [S + 1, C] float32 with `context_features`' columns
+    2.. (decode steps, history length, most recent accepted counts first); columns 0-1 are rebuilt per step."""
+
+    def __init__(self, num_slots: int, num_context: int, device: torch.device, with_history: bool) -> None:
+        self.dummy = num_slots
+        self.anchor = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
+        self.ctx = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
+        self.history = torch.zeros(num_slots + 1, num_context, dtype=torch.float32, device=device) if with_history else None
+
+    def start(self, slots: torch.Tensor, anchors: torch.Tensor, ctx: torch.Tensor) -> None:
+        """A request's state right after its prefill: anchor = its first generated token, no decode step yet."""
+        self.anchor.index_copy_(0, slots, anchors)
+        self.ctx.index_copy_(0, slots, ctx)
+        if self.history is not None:
+            self.history.index_fill_(0, slots, 0.0)
 
 
 def block_metadata(buf: StepBuffers, width: int, causal: bool) -> AttentionMetadata:
@@ -267,17 +318,50 @@ class BucketStep:
                                      r.drafter_caches)
         return torch.cat([torch.stack([accepted, successor, lens, full_accepted], dim=1), block], dim=1)
 
+    # ---- the device state around the parts
+    def resolve(self) -> None:
+        """Rows whose `host` flag is 0 take anchor, ctx and context from the device state (the results of a step
+        the host has not read yet); the others keep what the host staged."""
+        buf, state = self.buf, self.runner.state
+        ahead = buf.host == 0
+        buf.anchor.copy_(torch.where(ahead, state.anchor[buf.slot], buf.anchor))
+        buf.ctx.copy_(torch.where(ahead, state.ctx[buf.slot], buf.ctx))
+        if state.history is not None:
+            row = state.history[buf.slot]
+            row[:, 0] = buf.live.sum().float()  # the batch's live requests, as `context_features` counts them
+            row[:, 1] = buf.ctx.float()
+            buf.context.copy_(torch.where(ahead[:, None], row, buf.context))
+
+    def advance(self, accepted: torch.Tensor, successor: torch.Tensor) -> None:
+        """Write each request's next state (anchor = successor, ctx + accepted + 1, one more history entry)."""
+        buf, state = self.buf, self.runner.state
+        state.anchor.index_copy_(0, buf.slot, successor)
+        state.ctx.index_copy_(0, buf.slot, buf.ctx + accepted + 1)
+        if state.history is not None:
+            old, history = buf.context, torch.zeros_like(buf.context)
+            history[:, 2] = old[:, 2] + 1
+            history[:, 3] = (old[:, 3] + 1).clamp(max=old.shape[1] - 4)
+            if old.shape[1] > 4:
+                history[:, 4] = accepted.float()
+                history[:, 5:] = old[:, 4:-1]
+            state.history.index_copy_(0, buf.slot, history)
+
     # ---- running
     def step(self) -> torch.Tensor:
+        self.resolve()
         block, logits, hidden, q = self.draft()
         decision = self.decide(block, logits, hidden)
         result = self.verify(block, q, decision)
+        self.advance(result[:, 0], result[:, 1])
         self.features = decision.features if self.kind.features else None
         return result
 
     def build(self, use_graph: bool, pool=None) -> "BucketStep":
-        """Capture the step (on CUDA) or prepare eager runs; capture runs on whatever the buffers hold (padding
-        only at start-up: every row on the scratch page)."""
+        """Capture the step (on CUDA) or prepare eager runs. Capture runs the step a few times: on padding rows
+        only (the scratch page, the dummy slot), so that a step built while requests run never advances
+        their device state."""
+        if use_graph:
+            self.buf.fill([], [], [], [], 0, None)
         self.call = GraphedCall(self.step, use_graph, pool=pool)
         return self
 
@@ -338,6 +422,7 @@ class StepRunner:
         self.steps: dict[tuple[int, StepKind], BucketStep] = {}
         self.last_key: tuple[int, StepKind] | None = None  # the (bucket, kind) of the latest step
         # DScale's measured policy (`prepare` with graphs): bucket -> 'dscale' or 'dflash', and the step times
+        self.state = DeviceState(max_batch, feature_spec.num_context, self.device, with_history=mode == "dscale")
         self.measured_policy = measured_policy and mode == "dscale" and use_graphs
         self.policy_context = policy_context
         self.bucket_modes: dict[int, str] = {}
@@ -359,7 +444,7 @@ class StepRunner:
     def _buffers(self, size: int) -> StepBuffers:
         if size not in self.buffers:
             self.buffers[size] = StepBuffers(size, self.max_pages, self.feature_spec.num_context, self.page_size,
-                                             self.device)
+                                             self.device, dummy_slot=self.state.dummy)
         return self.buffers[size]
 
     def get(self, size: int, kind: StepKind) -> BucketStep:
@@ -420,19 +505,68 @@ class StepRunner:
             self.bucket_modes[size] = "dscale" if times["dscale"] <= times["dflash"] else "dflash"
         for size in self.buckets:
             self.bucket_modes.setdefault(size, "dflash")
+        if "dscale" not in self.bucket_modes.values():
+            # No bucket decides: the engine is a DFlash engine. Its steps need no context-feature history, so
+            # the measured graphs are dropped and recaptured without it (`prepare` captures what is served).
+            self.state.history = None
+            self.steps.clear()
+            self.pool = torch.cuda.graph_pool_handle()  # NOTE: the old pool goes with its last graph
 
-    def run(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
-            kind: StepKind, context: np.ndarray | None = None) -> StepResult:
-        """One decode step of n live requests (`kind.mode` from `mode_for(n)`): fill, replay, read back."""
+    def launch(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
+               kind: StepKind, context: np.ndarray | None = None, slots: list[int] | None = None,
+               host: list[bool] | None = None) -> "PendingStep":
+        """Start one decode step of n live requests (`kind.mode` from `mode_for(n)`): fill, replay, and queue the
+        copy of its results to the host; `PendingStep.result()` reads them. Rows with host[i] false start from
+        the device state of slots[i] (the request's previous step, launched but not read)."""
         n = len(anchors)
         size = self.bucket(n)
         step = self.get(size, kind)
         self.last_key = (size, kind)
         rows = budget_rows(n, self.block_size, self.budget_ratio) if kind.mode == "dscale" else self.block_size * n
-        step.buf.fill(anchors, ctx, pages, sampling, rows, context)
+        step.buf.fill(anchors, ctx, pages, sampling, rows, context, slots, host)
         result = step()
-        host = result[:n].tolist()  # NOTE: the one device-to-host read of the step
-        features = step.features[:n].float().cpu() if step.features is not None else None
-        return StepResult([h[0] for h in host], [h[1] for h in host], [h[2] for h in host],
-                          [h[3] for h in host] if kind.retention else None, [h[4:] for h in host], rows, features)
+        features = step.features[:n].float() if step.features is not None else None
+        return PendingStep(n, rows, kind, AsyncRead(result), AsyncRead(features) if features is not None else None)
 
+    def run(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
+            kind: StepKind, context: np.ndarray | None = None) -> StepResult:
+        """One decode step, its results read at once (`launch` + `result`)."""
+        return self.launch(anchors, ctx, pages, sampling, kind, context).result()
+
+
+class AsyncRead:
+    """A device tensor's copy to the host, queued now (pinned memory, non-blocking) and waited for by `get()`;
+    on the CPU the tensor itself (an eager step's outputs are fresh tensors)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "cpu":
+            self.host, self.done = tensor, None
+            return
+        self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.host.copy_(tensor, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def get(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose results are on their way to the host."""
+
+    num_live: int
+    num_rows: int
+    kind: StepKind
+    out: AsyncRead
+    features: AsyncRead | None
+
+    def result(self) -> StepResult:
+        n = self.num_live
+        host = self.out.get()[:n].tolist()  # NOTE: the one device-to-host read of the step
+        features = self.features.get() if self.features is not None else None
+        retention = self.kind.retention
+        return StepResult([h[0] for h in host], [h[1] for h in host], [h[2] for h in host],
+                          [h[3] for h in host] if retention else None, [h[4:] for h in host], self.num_rows, features)

@@ -4,6 +4,12 @@ CPU-only policy (no tensors): each step it grows the pages of running requests s
 verification block, preempting the most recently admitted requests when the cache is full (they return
 to the front of the queue and are recomputed later), then admits waiting requests while both the
 running-request limit and the free pages allow. Finished or aborted requests free their pages at once.
+A running request holds a slot (0 .. max_running - 1): its row of the runner's device state.
+
+The overlap schedule (the engine launches step t + 1 before it commits step t) asks `reserve` for two blocks
+beyond the committed tokens, without preempting: when that fails the engine commits first and schedules.
+Pages and slots freed while a step that still writes them is queued are safe to hand out: every later use is a
+later kernel on the same stream.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     """What failed, when the engine aborted this request alone (finish_reason 'error')."""
+    slot: int = -1
+    """Row of the runner's device state while running (-1 otherwise)."""
+    ahead: int = 0
+    """Launched steps of this request not committed yet (its device state is newer than its host state)."""
     sampling: tuple = ()
     """(seed_lo, seed_hi, top_k, rule, temperature, top_p): the request's columns of the step buffers."""
     stats: RequestStats = field(default_factory=RequestStats)
@@ -62,6 +72,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._free_slots = list(range(max_running - 1, -1, -1))
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -69,9 +80,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _pages_needed(self, request: Request) -> int:
-        tokens = max(request.num_computed, request.num_tokens - 1) + self.lookahead
+    def _pages_needed(self, request: Request, lookahead: int | None = None) -> int:
+        tokens = max(request.num_computed, request.num_tokens - 1) + (self.lookahead if lookahead is None else lookahead)
         return max(0, self.allocator.pages_for(tokens) - len(request.pages))
+
+    def reserve(self, requests: list[Request], lookahead: int) -> bool:
+        """Grow every request's pages to its committed tokens + `lookahead`, all or none (no preemption)."""
+        needed = [self._pages_needed(r, lookahead) for r in requests]
+        if sum(needed) > self.allocator.num_free:
+            return False
+        for request, count in zip(requests, needed):
+            if count:
+                request.pages.extend(self.allocator.allocate(count))
+        return True
 
     def _grow(self, request: Request) -> bool:
         pages = self.allocator.allocate(self._pages_needed(request))
@@ -94,6 +115,11 @@ class Scheduler:
                 if victim is request:
                     break
         num_decoding = len(self.running)
+        admitted = self.admit()
+        return admitted, self.running[:num_decoding]
+
+    def admit(self) -> list[Request]:
+        """Admit waiting requests, in order, while the running-request limit and the free pages allow."""
         admitted = []
         while self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]
@@ -101,9 +127,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
+            request.slot = self._free_slots.pop()
             self.running.append(request)
             admitted.append(request)
-        return admitted, self.running[:num_decoding]
+        return admitted
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
@@ -114,6 +141,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
+        if request.slot >= 0:
+            self._free_slots.append(request.slot)
+            request.slot = -1
         if request.pages:
             self.allocator.free(request.pages)
             request.pages = []

@@ -102,8 +102,10 @@ class OracleDrafter:
     def propose(self, block, target, meta, caches, float_logits=True):
         w = block.shape[1]
         rows = []
-        for r in self.requests:
-            done = len(r.output_token_ids)
+        for i, r in enumerate(self.requests):
+            # The anchor's index in the request's tokens, from the step's own positions: under the overlap
+            # schedule the host has not committed the previous step yet.
+            done = int(meta.positions[i * w]) + 1 - len(r.prompt_token_ids)
             proposal = self.continuations[r.request_id][done : done + w - 1]
             proposal += [0] * (w - 1 - len(proposal))  # past the reference's end (max_model_len)
             error_at = self.rng.randrange(w)  # slot 1..w-1 gets a wrong token; 0 means none
@@ -262,14 +264,14 @@ def test_a_fault_of_one_request_aborts_it_alone(pair, monkeypatch, where):
     engine = make_engine(pair, max_running_requests=8)
     poison = SamplingParams(temperature=0, top_k=77, max_tokens=20, ignore_eos=True)
     if where == "decode":
-        run = engine.runner.run
+        launch = engine.runner.launch
 
-        def faulty(anchors, ctx, pages, sampling, kind, context=None):
+        def faulty(anchors, ctx, pages, sampling, *args):
             if any(s[2] == 77 for s in sampling):
                 raise RuntimeError("injected fault")
-            return run(anchors, ctx, pages, sampling, kind, context)
+            return launch(anchors, ctx, pages, sampling, *args)
 
-        monkeypatch.setattr(engine.runner, "run", faulty)
+        monkeypatch.setattr(engine.runner, "launch", faulty)
     elif where == "prefill":
         prefill = engine._prefill
 

@@ -157,3 +157,45 @@ def test_small_batches_verify_full_width_without_deciding(pair, predictors):  # 
         assert step.num_verify_rows == int(0.5 * w * step.num_live + 0.5)
     with pytest.raises(ValueError, match="full_width_max_batch"):
         EngineConfig(mode="dscale", full_width_max_batch=-1)
+
+
+def test_overlap_schedule_steps_start_from_the_committed_state(pair, predictors):  # noqa: F811
+    """Under the overlap schedule a step launches before the previous one is committed, its anchors, context
+    lengths and DScale context features taken from the device state. Oracle: the host's own record, rebuilt from
+    each request's final tokens and accepted counts (prompt + accepted + 1 per earlier step, the last four
+    accepted counts most recent first, the step's live count); output equal to the engine without overlap."""
+    prompts, params = prompt_set(10, seed=11)
+    engine = dscale_engine(pair, predictors["untrained"], max_running_requests=4)
+    runner, seen = engine.runner, []
+    launch = runner.launch
+
+    def recording(*args):
+        pending = launch(*args)
+        buf = runner.steps[runner.last_key].buf
+        by_slot = {r.slot: r.request_id for r in engine.scheduler.running}
+        n = pending.num_live
+        seen.append([(by_slot[int(buf.slot[i])], n, int(buf.host[i]), int(buf.anchor[i]), int(buf.ctx[i]),
+                      buf.context[i].tolist()) for i in range(n)])
+        return pending
+
+    runner.launch = recording
+    outputs = engine.generate(prompts, params)
+    assert_same(outputs, dscale_engine(pair, predictors["untrained"], max_running_requests=4,
+                                       overlap_schedule=False).generate(prompts, params))
+    by_id = {o.request_id: o for o in outputs}
+    steps_of = collections.Counter()
+    ahead = 0
+    for rows in seen:
+        for request_id, n, host, anchor, ctx, context in rows:
+            out = by_id[request_id]
+            k = steps_of[request_id]
+            steps_of[request_id] += 1
+            accepted = out.stats.accepted_lens
+            assert k <= len(accepted), "a request ran more than one step past its end"
+            tokens = out.prompt_token_ids + out.token_ids
+            want_ctx = len(out.prompt_token_ids) + sum(a + 1 for a in accepted[:k])
+            recent = list(reversed(accepted[max(0, k - 4):k]))
+            assert ctx == want_ctx and (ctx >= len(tokens) or anchor == tokens[ctx])
+            assert context == [n, want_ctx, k, len(recent)] + recent + [0] * (4 - len(recent))
+            ahead += host == 0
+    assert ahead > len(prompts), "the device state was hardly used"

@@ -478,14 +478,14 @@ def test_a_fault_attributed_to_one_request_fails_it_alone(tiny_pair, tiny_refere
 
     cfg = EngineConfig(mode="dflash", max_running_requests=8, max_model_len=TINY_LEN)
     engine = Engine.from_pretrained(tiny_pair[0], tiny_pair[1], config=cfg)
-    run = engine.runner.run
+    launch = engine.runner.launch
 
-    def faulty(anchors, ctx, pages, sampling, kind, context=None):
+    def faulty(anchors, ctx, pages, sampling, *args):
         if any(row[2] == 77 for row in sampling):
             raise RuntimeError("injected fault: secret internals")
-        return run(anchors, ctx, pages, sampling, kind, context)
+        return launch(anchors, ctx, pages, sampling, *args)
 
-    engine.runner.run = faulty
+    engine.runner.launch = faulty
     prompts = ["def f(x):", "class A:", "import os", "for i in"]
     want = [o.text for o in tiny_reference.generate(prompts, SamplingParams(temperature=0, max_tokens=10))]
     bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0} for p in prompts]

@@ -56,6 +56,9 @@ class ServeConfig:
     """Speculative modes: greedy decode steps on fixed per-batch-bucket buffers, captured as CUDA graphs at
     start-up on CUDA; default: on with a CUDA device (4-8x the tokens/s of eager steps on the demo pair,
     docs/benchmarks.md), off elsewhere (without graphs the fixed buckets only add padding rows)."""
+    overlap_schedule: bool = True
+    """Launch each decode step before the host has committed the previous one (inputs advanced on the device,
+    commit and streaming a step behind; output unchanged); false: commit every step before the next starts."""
     api_key: str | None = None
     """When set, every request but GET /health must send 'Authorization: Bearer KEY'."""
     enable_docs: bool = False
