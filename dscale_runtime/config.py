@@ -62,6 +62,15 @@ class EngineConfig:
     """Capture the step runner's decode steps (`dscale_runtime/runner.py`) as CUDA graphs, one per batch bucket
     and step kind, at start-up (CUDA only). Every step runs through the runner either way; without graphs it
     runs eagerly (always on the CPU)."""
+    prefix_caching: bool = True
+    """Share the K/V of full prompt pages between requests with the same prefix and keep released ones cached
+    until their pages are needed (vLLM's automatic prefix caching: pages keyed by a chained hash of their
+    tokens, target and drafter caches alike); a request prefills only what the cache does not hold. Output is
+    unchanged; the hit rate is in `Engine.prefix_cache_stats` and /metrics."""
+    chunked_prefill_tokens: int = 8192
+    """Most prompt tokens prefilled per engine step, over all requests being prefilled: a longer prompt is
+    prefilled in chunks between decode steps, so the running requests keep producing tokens (SGLang's
+    --chunked-prefill-size); 0 prefills every admitted prompt whole in one step."""
     overlap_schedule: bool = True
     """Launch each decode step before the previous one is committed on the host: the device advances the next
     step's inputs from the verified results, and the host reads and commits a step behind (stop rules,
@@ -119,6 +128,9 @@ class EngineConfig:
             if not self.graph_buckets or min(self.graph_buckets) < 1 or max(self.graph_buckets) < self.max_running_requests:
                 raise ValueError(f"EngineConfig.graph_buckets must be sizes >= 1 whose largest reaches "
                                  f"max_running_requests={self.max_running_requests}, got {self.graph_buckets}")
+        if self.chunked_prefill_tokens < 0:
+            raise ValueError(f"EngineConfig.chunked_prefill_tokens must be >= 0 (0 = off), got "
+                             f"{self.chunked_prefill_tokens}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"EngineConfig.kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
 

@@ -27,6 +27,7 @@ from dscale_runtime.dvl.features import FeatureSpec, context_features
 from dscale_runtime.dvl.features import hidden_projection as seeded_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity
 from dscale_runtime.kv_cache import PageAllocator, PagedKVCache
+from dscale_runtime.prefix_cache import PrefixCachingAllocator
 from dscale_runtime.models.dflash import DFlashDraftModel
 from dscale_runtime.models.loader import load_drafter, load_target, load_tokenizer, read_eos_ids, resolve_dtype
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
@@ -92,7 +93,8 @@ class Engine:
                 f"{config.max_model_len} plus a block of {lookahead}; raise kv_cache_tokens or lower max_model_len"
             )
         num_pages = -(-cache_tokens // config.page_size) + 1  # + the scratch page
-        self.allocator = PageAllocator(num_pages, config.page_size)
+        self.allocator = (PrefixCachingAllocator if config.prefix_caching else PageAllocator)(num_pages,
+                                                                                            config.page_size)
         tc = target.config
         self.target_cache = PagedKVCache(tc.num_hidden_layers, num_pages, config.page_size, tc.num_key_value_heads,
                                          tc.head_dim, self.dtype, self.device)
@@ -234,6 +236,11 @@ class Engine:
                 for size in self.runner.buckets}
 
     @property
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Prefix caching: lookups, tokens looked up, tokens found cached, and their ratio (empty when off)."""
+        return dict(self.allocator.stats) if isinstance(self.allocator, PrefixCachingAllocator) else {}
+
+    @property
     def num_running(self) -> int:
         """Requests in the running batch."""
         return len(self.scheduler.running)
@@ -247,22 +254,21 @@ class Engine:
         """Run one engine step; returns the requests that finished in it (with the overlap schedule, those
         the commit of the previous decode step finished)."""
         finished: list[Request] = []
-        running = list(self.scheduler.running)
-        if self._pending and not (running and self._overlapping()
-                                  and self.scheduler.reserve(running, self.overlap_lookahead)):
+        decoding = [r for r in self.scheduler.running if not r.prefilling]
+        if self._pending and not (decoding and self._overlapping()
+                                  and self.scheduler.reserve(decoding, self.overlap_lookahead)):
             finished += self._drain()
         if self._pending:
-            # Overlap: launch the next step first, commit the previous ones while it runs, then admit.
+            # Overlap: launch the next step first, commit the previous ones while it runs, then admit and prefill.
             launched = len(self._pending)
-            finished += self._isolated(self._decode, running)
+            finished += self._isolated(self._decode, decoding)
             finished += self._drain(upto=launched)
-            admitted = self.scheduler.admit()
-            if admitted:
-                finished += self._isolated(self._prefill, admitted)
+            self.scheduler.admit()
+            finished += self._prefill_chunks()
         else:
-            admitted, decoding = self.scheduler.schedule()
-            if admitted:
-                finished += self._isolated(self._prefill, admitted)
+            _, scheduled = self.scheduler.schedule()
+            finished += self._prefill_chunks()
+            decoding = [r for r in scheduled if not r.prefilling]
             if decoding:
                 finished += self._isolated(self._decode, decoding)
         if not self._overlapping():
@@ -272,6 +278,24 @@ class Engine:
             self.requests.pop(request.request_id, None)
             outputs.append(self._output(request))
         return outputs
+
+    def _prefill_chunks(self) -> list[Request]:
+        """Prefill the running requests that still need it, in admission order, at most
+        `chunked_prefill_tokens` tokens in all per step (a request's chunk goes on from its computed tokens:
+        a cached prefix, earlier chunks)."""
+        budget = self.config.chunked_prefill_tokens or None
+        batch = []
+        for request in self.scheduler.running:
+            if not request.prefilling:
+                continue
+            remaining = len(request.prefill_token_ids) - request.num_computed
+            request.prefill_chunk = remaining if budget is None else min(remaining, budget)
+            batch.append(request)
+            if budget is not None:
+                budget -= request.prefill_chunk
+                if budget <= 0:
+                    break
+        return self._isolated(self._prefill, batch) if batch else []
 
     def _overlapping(self) -> bool:
         """Whether commits may run a step behind: the overlap schedule is on and no step observer waits for
@@ -366,12 +390,14 @@ class Engine:
         return target_tokens(logits, rows, positions, filtered, sampled)[0]
 
     def _prefill(self, requests: list[Request]) -> list[Request]:
-        """Prefill the requests' prompts (and a preempted request's tokens so far) and draw each fresh request's
-        first token on the device, where the next decode step reads it; the host commits it later (`_drain`)."""
-        query = [r.all_token_ids[: r.num_tokens - 1] if r.output_token_ids else r.prompt_token_ids for r in requests]
+        """Prefill each request's next `prefill_chunk` tokens (its prompt, or after a preemption every token but
+        the pending anchor) after its computed ones. A fresh request whose prompt is done gets its first token
+        drawn on the device, where the next decode step reads it; the host commits it later (`_drain`)."""
+        starts = [r.num_computed for r in requests]
+        query = [r.prefill_token_ids[s : s + r.prefill_chunk] for r, s in zip(requests, starts)]
         lens = [len(q) for q in query]
-        meta = build_metadata(lens, [0] * len(requests), [r.pages for r in requests], self.config.page_size,
-                              self.device, causal=True)
+        meta = build_metadata(lens, starts, [r.pages for r in requests], self.config.page_size, self.device,
+                              causal=True)
         last_rows = self._tensor(list(itertools.accumulate(lens))) - 1
         token_ids = self._tensor([t for q in query for t in q])
         logits, features = self.target(token_ids, meta, self.target_cache.layers, last_rows, self.capture_layers)
@@ -379,11 +405,13 @@ class Engine:
             self.drafter.inject_context(features, meta.positions, meta.slot_mapping, self.drafter_cache.layers)
         self.counters.prefill_tokens += sum(lens)
         for request, n in zip(requests, lens):
-            request.num_computed = n
-        fresh = [r for r in requests if not r.output_token_ids]
-        if not fresh:
+            request.num_computed += n
+            self.scheduler.register(request)  # NOTE: its full pages are final once this forward has run
+        done = [i for i, r in enumerate(requests) if not r.prefilling and not r.output_token_ids]
+        if not done:
             return []
-        rows = self._tensor([i for i, r in enumerate(requests) if not r.output_token_ids])
+        fresh = [requests[i] for i in done]
+        rows = self._tensor(done)
         first = self._first_tokens(logits[rows], fresh)
         self.runner.state.start(self._tensor([r.slot for r in fresh]), first,
                                 self._tensor([r.num_computed for r in fresh]))

@@ -15,11 +15,14 @@ later kernel on the same stream.
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from dscale_runtime.config import RequestStats, SamplingParams
 from dscale_runtime.kv_cache import PageAllocator
+
+log = logging.getLogger("dscale.scheduler")
 
 
 class Status(enum.Enum):
@@ -43,6 +46,8 @@ class Request:
     """What failed, when the engine aborted this request alone (finish_reason 'error')."""
     slot: int = -1
     """Row of the runner's device state while running (-1 otherwise)."""
+    prefill_chunk: int = 0
+    """Tokens the engine prefills for this request in the current step (chunked prefill)."""
     ahead: int = 0
     """Launched steps of this request not committed yet (its device state is newer than its host state)."""
     sampling: tuple = ()
@@ -61,6 +66,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefill_token_ids(self) -> list[int]:
+        """What a prefill computes: the prompt, or after a preemption every token but the pending anchor."""
+        return self.all_token_ids[: self.num_tokens - 1] if self.output_token_ids else self.prompt_token_ids
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted but not prefilled to the end yet (chunked prefill runs a prompt over several steps)."""
+        target = self.num_tokens - 1 if self.output_token_ids else len(self.prompt_token_ids)
+        return self.num_computed < target
 
 
 class Scheduler:
@@ -119,11 +135,21 @@ class Scheduler:
         return admitted, self.running[:num_decoding]
 
     def admit(self) -> list[Request]:
-        """Admit waiting requests, in order, while the running-request limit and the free pages allow."""
+        """Admit waiting requests, in order, while the running-request limit and the free pages allow. With a
+        prefix-caching allocator a request starts from the longest cached prefix of its tokens (at least one
+        token is always computed) and gets pages for the rest."""
         admitted = []
+        caching = hasattr(self.allocator, "match")
         while self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]
+            if caching and not request.pages:
+                tokens = request.prefill_token_ids
+                request.pages = self.allocator.match(tokens, max_tokens=len(tokens) - 1)
+                request.num_computed = len(request.pages) * self.allocator.page_size
             if not self._grow(request):
+                if caching:  # NOTE: the matched pages wait with the request no more than the others
+                    self._release(request)
+                    request.num_computed = 0
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING
@@ -132,9 +158,19 @@ class Scheduler:
             admitted.append(request)
         return admitted
 
+    def register(self, request: Request) -> None:
+        """With a prefix-caching allocator: offer the full pages of the request's computed tokens to later
+        requests (their K/V is final: every position below num_computed holds a committed token)."""
+        if hasattr(self.allocator, "register") and request.pages:
+            try:
+                self.allocator.register(request.all_token_ids[: request.num_computed], request.pages)
+            except ValueError:  # NOTE: bookkeeping of a cache, never of the output: the pages stay uncached
+                log.exception("request %s: its pages could not be offered to the prefix cache", request.request_id)
+
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
         self.running.remove(request)
+        self.register(request)
         self._release(request)
         request.num_computed = 0
         request.status = Status.WAITING
@@ -151,6 +187,8 @@ class Scheduler:
     def finish(self, request: Request, reason: str) -> None:
         if request in self.running:
             self.running.remove(request)
+            if reason != "error":
+                self.register(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)

@@ -313,8 +313,10 @@ def test_models_health_and_metrics(demo_server):
     for name in ("dscale_requests_received_total", "dscale_generation_tokens_total", "dscale_num_requests_waiting",
                  "dscale_spec_accept_length", "dscale_retention", "dscale_step_seconds_sum",
                  "dscale_prompt_tokens_total", "dscale_num_requests_running", "dscale_request_steps_total",
-                 "dscale_accepted_drafts_total", "dscale_kv_cache_usage_perc"):
+                 "dscale_accepted_drafts_total", "dscale_kv_cache_usage_perc", "dscale_prefix_cache_queries_total",
+                 "dscale_prefix_cache_hit_tokens_total", "dscale_prefix_cache_hit_rate"):
         assert name in values, name
+    assert values["dscale_prefix_cache_queries_total"] >= 1 and 0 <= values["dscale_prefix_cache_hit_rate"] <= 1
     assert values["dscale_spec_accept_length"] > 1.0, "the demo pair accepts drafts"
     for name in ("dscale_time_to_first_token_seconds", "dscale_time_per_output_token_seconds",
                  "dscale_e2e_request_latency_seconds", "dscale_spec_accept_length_per_step",

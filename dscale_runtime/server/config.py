@@ -56,6 +56,11 @@ class ServeConfig:
     """Speculative modes: greedy decode steps on fixed per-batch-bucket buffers, captured as CUDA graphs at
     start-up on CUDA; default: on with a CUDA device (4-8x the tokens/s of eager steps on the demo pair,
     docs/benchmarks.md), off elsewhere (without graphs the fixed buckets only add padding rows)."""
+    prefix_caching: bool = True
+    """Reuse the K/V of prompt prefixes other requests computed (full 16-token pages; hit rate in /metrics)."""
+    chunked_prefill_tokens: int = 8192
+    """Most prompt tokens prefilled per engine step; a longer prompt is prefilled over several steps while the
+    running requests keep decoding; 0: every prompt whole in one step."""
     overlap_schedule: bool = True
     """Launch each decode step before the host has committed the previous one (inputs advanced on the device,
     commit and streaming a step behind; output unchanged); false: commit every step before the next starts."""
@@ -108,7 +113,7 @@ class ServeConfig:
     and their supervisor (for a router on another node that lists them in its --worker-urls)."""
     router_policy: str = "round_robin"
     """sglang-router's choice of replica: 'round_robin', 'power_of_two' (the less loaded of two, from /get_load),
-    'random' or 'cache_aware' (prompt-prefix affinity; the engine keeps no prefix cache, so it gains nothing)."""
+    'random' or 'cache_aware' (prompt-prefix affinity: a prefix goes to the replica whose prefix cache holds it)."""
     router_metrics_port: int | None = None
     """Port of the router's own Prometheus metrics (smg_*); default: --port + N + 1 with N replicas. Every
     replica's /metrics, merged and labelled worker_addr, is served at the router's GET /engine_metrics."""
@@ -120,6 +125,8 @@ class ServeConfig:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got '{self.mode}'")
         if self.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.chunked_prefill_tokens < 0:
+            raise ValueError(f"--chunked-prefill-tokens must be >= 0 (0 = off), got {self.chunked_prefill_tokens}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:

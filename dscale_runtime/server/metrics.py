@@ -111,6 +111,14 @@ class _ScrapeCollector:
         yield gauge("dscale_retention", "Drafts full-width verification accepts that DScale's prefixes keep "
                     "(NaN unless --measure-retention).",
                     c.retained_drafts / c.full_width_drafts if c.full_width_drafts else float("nan"))
+        cache = getattr(engine, "prefix_cache_stats", {})
+        if cache:
+            yield counter("dscale_prefix_cache_queries", "Prefix-cache lookups (one per admission).", cache["queries"])
+            yield counter("dscale_prefix_cache_query_tokens", "Tokens looked up in the prefix cache.",
+                          cache["query_tokens"])
+            yield counter("dscale_prefix_cache_hit_tokens", "Looked-up tokens whose K/V the prefix cache held.",
+                          cache["hit_tokens"])
+            yield gauge("dscale_prefix_cache_hit_rate", "Hit tokens / looked-up tokens since start.", cache["hit_rate"])
         policy = getattr(engine, "step_policy", {})
         runs = GaugeMetricFamily("dscale_step_policy", "1 for the step each graph bucket runs (target, dflash or "
                                  "dscale; DScale's measured policy picks per bucket).",

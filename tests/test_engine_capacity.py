@@ -1,0 +1,100 @@
+"""Engine capacity features (issue 17): prefix caching and chunked prefill keep the output lossless.
+
+Oracle: target-only greedy decoding with prefix caching and chunking off (the whole prompt in one forward,
+nothing shared); the chunked and cached engines, target-only and speculative, must decode the same tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from test_engine import MAX_LEN, assert_same, make_engine, pair  # noqa: F401 - fixtures
+from dscale_runtime.config import EngineConfig, SamplingParams
+
+
+def shared_prefix_prompts(n: int = 12, seed: int = 4) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts drawn from three system prompts (48 tokens, exactly three pages, then 40-70 tokens) plus short
+    tails; every fourth prompt is a system prompt alone, repeated."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(94) for _ in range(48 if i == 0 else rng.randrange(40, 70))] for i in range(3)]
+    prompts = []
+    for i in range(n):
+        tail = [] if i % 3 == 0 and i % 2 else [rng.randrange(94) for _ in range(rng.randrange(1, 12))]
+        prompts.append(systems[i % 3] + tail)
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(8, 40), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def plain_reference(pair):  # noqa: F811
+    prompts, params = shared_prefix_prompts()
+    engine = make_engine(pair, "target", max_running_requests=16, prefix_caching=False, chunked_prefill_tokens=0)
+    return prompts, params, engine.generate(prompts, params)
+
+
+@pytest.mark.parametrize("mode", ["target", "dflash"])
+def test_prefix_caching_reuses_pages_and_changes_no_token(pair, plain_reference, mode):  # noqa: F811
+    prompts, params, want = plain_reference
+    engine = make_engine(pair, mode, max_running_requests=4, prefix_caching=True, chunked_prefill_tokens=0)
+    assert_same(engine.generate(prompts, params), want)
+    stats = engine.prefix_cache_stats
+    assert stats["hit_tokens"] >= 2 * 16 * 6, stats  # later requests of each system prompt start from its pages
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert engine.counters.prefill_tokens == prompt_tokens - stats["hit_tokens"]
+    # Everything is released again (cached pages are evictable, hence free).
+    assert engine.allocator.num_free == engine.allocator.num_pages - 1 and engine.allocator.num_cached > 0
+    again = engine.generate(prompts[:3], params[:3])  # a repeat: only the last page's tokens are recomputed
+    assert_same(again, want[:3])
+    assert engine.counters.prefill_tokens - prompt_tokens + stats["hit_tokens"] <= sum(
+        len(p) - (len(p) - 1) // 16 * 16 for p in prompts[:3])
+
+
+def test_chunked_prefill_interleaves_decode_and_changes_no_token(pair, plain_reference):  # noqa: F811
+    prompts, params, want = plain_reference
+    engine = make_engine(pair, "dflash", max_running_requests=16, prefix_caching=False, chunked_prefill_tokens=24)
+    first = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    engine.step()
+    engine.step()  # the short request decodes
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    produced, steps_with_prefill = [], 0
+    done = {}
+    while engine.has_unfinished():
+        before = len(engine.generated_token_ids(first)) if first in engine.requests else None
+        prefilling = any(r.prefilling for r in engine.scheduler.running)
+        for out in engine.step():
+            done[out.request_id] = out
+        if prefilling and before is not None and first in engine.requests:
+            steps_with_prefill += 1
+            produced.append(len(engine.generated_token_ids(first)) - before)
+    assert_same([done[i] for i in ids], want)
+    assert engine.counters.prefill_tokens == 3 + sum(len(p) for p in prompts)
+    # 12 prompts of 41-81 tokens take about 30 steps of 24 tokens; the running request gains tokens in each.
+    assert steps_with_prefill >= 20 and min(produced[1:]) >= 1, produced
+
+
+def test_chunks_and_cache_together_under_preemption(pair, plain_reference):  # noqa: F811
+    prompts, params, want = plain_reference
+    # Room for about three requests while 12 may run: preemption, re-admission from the cache, chunked recompute.
+    engine = make_engine(pair, "dflash", max_running_requests=12, kv_cache_tokens=3 * (MAX_LEN + 32),
+                         prefix_caching=True, chunked_prefill_tokens=20)
+    assert_same(engine.generate(prompts, params), want)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.allocator.num_free == engine.allocator.num_pages - 1
+
+
+def test_seeded_sampling_is_the_same_with_cache_and_chunks(pair):  # noqa: F811
+    prompts, _ = shared_prefix_prompts(8, seed=9)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=70 + i)
+              for i in range(len(prompts))]
+    plain = make_engine(pair, "dflash", max_running_requests=8, prefix_caching=False, chunked_prefill_tokens=0)
+    cached = make_engine(pair, "dflash", max_running_requests=3, prefix_caching=True, chunked_prefill_tokens=16)
+    assert [o.token_ids for o in cached.generate(prompts, params)] == [o.token_ids for o in
+                                                                        plain.generate(prompts, params)]
+    assert cached.prefix_cache_stats["hit_tokens"] > 0
+
+
+def test_capacity_options_are_checked():
+    with pytest.raises(ValueError, match="chunked_prefill_tokens"):
+        EngineConfig(chunked_prefill_tokens=-1)
