@@ -42,6 +42,12 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     """Total KV-cache capacity in tokens, shared by all requests (target and drafter alike); None sizes it
     for `max_running_requests` full-length requests. Requests that do not fit wait in the queue."""
+    memory_fraction: float | None = None
+    """CUDA: the share of the device's memory that weights, workspaces, captured graphs and the KV pool take
+    together (SGLang's --mem-fraction-static); the pool gets what the others leave (weights as loaded, twice
+    the measured peak of one largest-bucket step and one prefill chunk), bounded by the free memory, and
+    requests that do not fit wait. None: the pool holds `max_running_requests` full-length requests.
+    `kv_cache_tokens` overrides both."""
     seed: int = 0
     """Seed of the engine's random stream for requests that carry no seed of their own."""
     budget_ratio: float = 0.5
@@ -128,6 +134,8 @@ class EngineConfig:
             if not self.graph_buckets or min(self.graph_buckets) < 1 or max(self.graph_buckets) < self.max_running_requests:
                 raise ValueError(f"EngineConfig.graph_buckets must be sizes >= 1 whose largest reaches "
                                  f"max_running_requests={self.max_running_requests}, got {self.graph_buckets}")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"EngineConfig.memory_fraction must be in (0, 1] or None, got {self.memory_fraction}")
         if self.chunked_prefill_tokens < 0:
             raise ValueError(f"EngineConfig.chunked_prefill_tokens must be >= 0 (0 = off), got "
                              f"{self.chunked_prefill_tokens}")

@@ -19,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from dscale_runtime.attention import build_metadata, host_to_device
@@ -27,6 +28,7 @@ from dscale_runtime.dvl.features import FeatureSpec, context_features
 from dscale_runtime.dvl.features import hidden_projection as seeded_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity
 from dscale_runtime.kv_cache import PageAllocator, PagedKVCache
+from dscale_runtime.memory import RESERVE_FACTOR, kv_bytes_per_token, pool_tokens, transient_peak
 from dscale_runtime.prefix_cache import PrefixCachingAllocator
 from dscale_runtime.models.dflash import DFlashDraftModel
 from dscale_runtime.models.loader import load_drafter, load_target, load_tokenizer, read_eos_ids, resolve_dtype
@@ -85,14 +87,23 @@ class Engine:
         lookahead = self.block_size
         # NOTE: the overlap schedule launches a step before the previous one is committed: two blocks of room
         self.overlap_lookahead = 2 * self.block_size
-        cache_tokens = config.kv_cache_tokens or config.max_running_requests * (
-            config.max_model_len + (self.overlap_lookahead if config.overlap_schedule else lookahead))
+        if config.kv_cache_tokens:
+            cache_tokens = config.kv_cache_tokens
+        elif config.memory_fraction is not None and self.device.type == "cuda":
+            cache_tokens = self._pool_from_memory(config.max_model_len + lookahead)
+        else:
+            cache_tokens = config.max_running_requests * (
+                config.max_model_len + (self.overlap_lookahead if config.overlap_schedule else lookahead))
         if cache_tokens < config.max_model_len + lookahead:
             raise ValueError(
                 f"EngineConfig.kv_cache_tokens={cache_tokens} cannot hold one request of max_model_len "
                 f"{config.max_model_len} plus a block of {lookahead}; raise kv_cache_tokens or lower max_model_len"
             )
         num_pages = -(-cache_tokens // config.page_size) + 1  # + the scratch page
+        log.info("KV cache: %d tokens in %d pages of %d (%s)", (num_pages - 1) * config.page_size, num_pages - 1,
+                 config.page_size, "kv_cache_tokens" if config.kv_cache_tokens else (
+                     f"memory_fraction {config.memory_fraction}" if config.memory_fraction is not None
+                     and self.device.type == "cuda" else "max_running_requests x max_model_len"))
         self.allocator = (PrefixCachingAllocator if config.prefix_caching else PageAllocator)(num_pages,
                                                                                             config.page_size)
         tc = target.config
@@ -135,6 +146,54 @@ class Engine:
         self._generator.manual_seed(config.seed)
 
     # ------------------------------------------------------------------ construction
+    def _kv_layout(self) -> list[tuple[int, int, int, torch.dtype]]:
+        """(layers, kv heads, head dim, dtype) of the target's cache and, for speculative modes, the drafter's."""
+        tc = self.target.config
+        layout = [(tc.num_hidden_layers, tc.num_key_value_heads, tc.head_dim, self.dtype)]
+        if self.capture_layers:
+            dc = self.drafter.config.layers
+            layout.append((dc.num_hidden_layers, dc.num_key_value_heads, dc.head_dim, self.drafter.dtype))
+        return layout
+
+    def _pool_from_memory(self, min_tokens: int) -> int:
+        """KV-pool tokens from `memory_fraction` (`dscale_runtime/memory.py`): the device's share less the
+        weights already loaded and twice the transient peak of one largest-bucket decode step of the heaviest
+        kind and one prefill chunk, both run eagerly on a small temporary cache."""
+        config, device = self.config, self.device
+        layout = self._kv_layout()
+        n, ps = config.max_running_requests, config.page_size
+        chunk = min(config.chunked_prefill_tokens or config.max_model_len, config.max_model_len)
+
+        def work() -> None:
+            pages = 2 + -(-chunk // ps)
+            caches = [PagedKVCache(layers, pages, ps, heads, dim, dtype, device) for layers, heads, dim, dtype in layout]
+            drafting = len(caches) > 1
+            runner = StepRunner(
+                self.target, self.drafter if drafting else None, caches[0].layers,
+                caches[1].layers if drafting else None, mode=config.mode, block_size=self.block_size, max_batch=n,
+                max_pages=2, page_size=ps, budget_ratio=config.budget_ratio, full_width_max_batch=0,
+                feature_spec=self.feature_spec, predictor=self.predictor, projection=self.hidden_projection,
+                buckets=[n], device=device)
+            kind = StepKind(config.mode, sampled=True, filtered=True, draft_sampling=drafting)
+            context = np.zeros((n, self.feature_spec.num_context), dtype=np.float32)
+            runner.launch([0] * n, [1] * n, [[]] * n, [(1, 0, 50, RULE_SAMPLED if drafting else RULE_TOP1, 1.0, 0.9)] * n,
+                          kind, context).result()  # NOTE: every row on the scratch page
+            meta = build_metadata([chunk], [0], [list(range(1, pages))], ps, device, causal=True)
+            tokens = torch.zeros(chunk, dtype=torch.long, device=device)
+            _, features = self.target(tokens, meta, caches[0].layers, self._tensor([chunk - 1]), self.capture_layers)
+            if features is not None:
+                self.drafter.inject_context(features, meta.positions, meta.slot_mapping, caches[1].layers)
+
+        with torch.no_grad():
+            peak = transient_peak(device, work)
+        free, total = torch.cuda.mem_get_info(device)
+        tokens = pool_tokens(config.memory_fraction, total, torch.cuda.memory_allocated(device), int(RESERVE_FACTOR * peak),
+                             kv_bytes_per_token(*layout), ps, min_tokens, free_bytes=free)
+        log.info("memory_fraction %.2f of %.1f GiB: %.2f GiB in use (weights), %.2f GiB transient peak, pool of %d "
+                 "tokens", config.memory_fraction, total / 2**30, torch.cuda.memory_allocated(device) / 2**30,
+                 peak / 2**30, tokens)
+        return tokens
+
     @classmethod
     def from_pretrained(
         cls,

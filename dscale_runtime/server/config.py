@@ -39,7 +39,10 @@ class ServeConfig:
     """Context limit (prompt + output tokens); default: the target's max_position_embeddings, at most 4096
     (the KV cache holds max-running-requests requests of this length unless --kv-cache-tokens says otherwise)."""
     kv_cache_tokens: int | None = None
-    """KV-cache capacity in tokens; default: max-running-requests full-length requests."""
+    """KV-cache capacity in tokens; default: max-running-requests full-length requests (see --memory-fraction)."""
+    memory_fraction: float | None = None
+    """CUDA: share of GPU memory for weights, workspaces, graphs and the KV pool together; the pool gets what the
+    others leave, and requests that do not fit wait (SGLang's --mem-fraction-static); e.g. 0.85."""
     budget_ratio: float = 0.5
     """DScale verification rows as a share of full width (M = ratio x 16 x N)."""
     full_width_max_batch: int = 1

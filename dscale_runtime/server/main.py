@@ -26,7 +26,7 @@ def load_engine(config: ServeConfig, engine_cls=None):
         max_model_len = min(int(target_config.get("max_position_embeddings", 4096)), 4096)
     engine_config = EngineConfig(
         mode=config.mode, max_running_requests=config.max_running_requests, max_model_len=max_model_len,
-        kv_cache_tokens=config.kv_cache_tokens, budget_ratio=config.budget_ratio,
+        kv_cache_tokens=config.kv_cache_tokens, memory_fraction=config.memory_fraction, budget_ratio=config.budget_ratio,
         full_width_max_batch=config.full_width_max_batch, dscale_policy=config.dscale_policy,
         step_graphs=config.step_graphs if config.step_graphs is not None else config.device.startswith("cuda"),
         measure_retention=config.measure_retention and config.mode == "dscale", device=config.device,
