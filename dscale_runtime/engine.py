@@ -40,6 +40,11 @@ from dscale_runtime.stats import EngineCounters, StepStats, StepTrace, retained_
 
 log = logging.getLogger("dscale.engine")
 
+FALLBACK_PROBE = 16
+"""While a bucket has fallen back to target-only steps, every this-many-th step speculates (`Engine._mode_for`)."""
+ACCEPTANCE_WEIGHT = 0.05
+"""Weight of each step in the running mean of live acceptance (about the last 20 steps)."""
+
 
 class Engine:
     def __init__(
@@ -135,7 +140,11 @@ class Engine:
             feature_spec=self.feature_spec, predictor=self.predictor, projection=self.hidden_projection,
             buckets=list(config.graph_buckets) if config.graph_buckets else None,
             use_graphs=config.step_graphs and self.device.type == "cuda", device=self.device,
-            measured_policy=config.dscale_policy == "measured", policy_context=min(1024, config.max_model_len // 2))
+            measured_policy=config.dscale_policy == "measured", policy_context=min(1024, config.max_model_len // 2),
+            target_fallback=config.target_fallback and not config.measure_retention)
+        self.live_acceptance: dict[str, float] = {}
+        """Running mean of accepted drafts per request-step, per speculative step ('dflash', 'dscale')."""
+        self._fallback_steps = 0
         if self.runner.use_graphs:
             self.runner.prepare(self._serving_kinds())
             if self.runner.bucket_modes:
@@ -290,8 +299,9 @@ class Engine:
 
     @property
     def step_policy(self) -> dict[int, dict]:
-        """The step each bucket runs and, where measured, its greedy DFlash / DScale step times in ms."""
-        return {size: {"mode": self.runner.mode_for(size), **self.runner.policy_ms.get(size, {})}
+        """The step each bucket runs now (the measured policies with the live acceptance) and, where measured,
+        its greedy step times in ms per mode."""
+        return {size: {"mode": self._mode_for(size, probe=False), **self.runner.policy_ms.get(size, {})}
                 for size in self.runner.buckets}
 
     @property
@@ -489,11 +499,30 @@ class Engine:
         self._pending.append(commit)
         return []
 
+    def _mode_for(self, n: int, probe: bool = True) -> str:
+        """The step a batch of n runs: the runner's (DScale's measured policy), or target-only where the start-up
+        step times and the live acceptance say speculation yields fewer tokens per second (`target_fallback`);
+        every `FALLBACK_PROBE`-th fallen-back step speculates, so the acceptance estimate follows the traffic."""
+        mode = self.runner.mode_for(n)
+        if mode == "target" or not self.runner.target_fallback or self.step_observers:
+            return mode
+        times = self.runner.policy_ms.get(self.runner.bucket(n), {})
+        accepted = self.live_acceptance.get(mode)
+        if accepted is None or "target" not in times or mode not in times:
+            return mode
+        if (1 + accepted) / times[mode] >= 1 / times["target"]:
+            return mode
+        if probe:
+            self._fallback_steps += 1
+            if self._fallback_steps % FALLBACK_PROBE == 0:
+                return mode
+        return "target"
+
     def _decode(self, requests: list[Request]) -> list[Request]:
         """Launch one decode step of the running batch through the runner; its host commit is queued
         (`_drain`). A request with a launched, uncommitted step starts from the device state."""
         n = len(requests)
-        mode = self.runner.mode_for(n)
+        mode = self._mode_for(n)
         kind = self._step_kind(requests, mode)
         ctx = [r.num_computed for r in requests]
         decode_steps = [r.stats.num_steps for r in requests]
@@ -524,6 +553,11 @@ class Engine:
         if self.config.measure_retention and self.config.mode == "dscale" and mode != "dscale":
             full = result.accepted  # a full-width step retains everything
         self._record(requests, result.accepted, result.verify_lens, result.num_rows, full)
+        self.counters.steps_by_mode[mode] = self.counters.steps_by_mode.get(mode, 0) + 1
+        if mode != "target" and result.accepted:
+            mean = sum(result.accepted) / len(result.accepted)
+            old = self.live_acceptance.get(mode)
+            self.live_acceptance[mode] = mean if old is None else old + ACCEPTANCE_WEIGHT * (mean - old)
         live = [i for i, r in enumerate(requests) if r.status is Status.RUNNING]
         finished = self._advance([requests[i] for i in live], [result.accepted[i] for i in live],
                                  [result.successors[i] for i in live], [result.drafts[i] for i in live],

@@ -307,8 +307,9 @@ class BucketStep:
             full_accepted = self._accept(logits, meta, block, q, torch.full_like(buf.ctx, w),
                                          torch.arange(b, device=block.device) * w)[0]
         meta, lens, offsets = decision.meta, decision.verify_lens, decision.verify_offsets
-        capture = r.capture_layers if kind.mode != "target" else ()
-        logits, features = r.target(decision.token_ids, meta, r.target_caches, None, capture, float_logits=False)
+        # NOTE: a speculative runner's target-only steps feed the drafter's cache too (its next block needs them)
+        logits, features = r.target(decision.token_ids, meta, r.target_caches, None, r.capture_layers,
+                                    float_logits=False)
         accepted, successor = self._accept(logits, meta, block, q, lens, offsets)
         if features is not None:
             req = meta.row_req.clamp(max=b - 1)
@@ -400,7 +401,7 @@ class StepRunner:
                  max_batch: int, max_pages: int, page_size: int, budget_ratio: float, full_width_max_batch: int,
                  feature_spec, predictor=None, projection=None, buckets: list[int] | None = None,
                  use_graphs: bool = False, device: torch.device | str = "cpu", measured_policy: bool = False,
-                 policy_context: int = 1024) -> None:
+                 policy_context: int = 1024, target_fallback: bool = False) -> None:
         assert mode in MODES
         self.target, self.drafter = target, drafter
         self.target_caches, self.drafter_caches = target_caches, drafter_caches
@@ -424,6 +425,9 @@ class StepRunner:
         # DScale's measured policy (`prepare` with graphs): bucket -> 'dscale' or 'dflash', and the step times
         self.state = DeviceState(max_batch, feature_spec.num_context, self.device, with_history=mode == "dscale")
         self.measured_policy = measured_policy and mode == "dscale" and use_graphs
+        # Target-only steps beside the speculative ones (the engine switches a bucket to them while live
+        # acceptance says speculation cannot pay): captured and timed at start-up too.
+        self.target_fallback = target_fallback and mode != "target" and use_graphs
         self.policy_context = policy_context
         self.bucket_modes: dict[int, str] = {}
         self.policy_ms: dict[int, dict[str, float]] = {}
@@ -459,35 +463,43 @@ class StepRunner:
     def prepare(self, kinds: list[StepKind]) -> None:
         """Build (capture, on CUDA) every step a batch can need for the given kinds (their `mode` is replaced by
         each bucket's own), largest bucket first: one shared pool, sized by the largest graph, and no request
-        waits for a capture. With the measured policy, every bucket's greedy DFlash and DScale steps are
-        captured and timed first (`measure_policy`), and the other kinds only for the mode it picked."""
-        if self.measured_policy:
-            self.bucket_modes = {}
+        waits for a capture. With the measured policy or the target fallback, every bucket's greedy steps of
+        the modes it may run are captured and timed first (`measure_policy`), and the other kinds only for
+        the modes the policy can pick."""
+        if self.measured_policy or self.target_fallback:
+            if self.measured_policy:
+                self.bucket_modes = {}
             for size in reversed(self.buckets):
-                if size > self.full_width_max_batch:
-                    self.get(size, StepKind("dflash"))
-                    self.get(size, StepKind("dscale"))
+                for mode in self._timed_modes(size):
+                    self.get(size, StepKind(mode))
             self.measure_policy()
         for i in reversed(range(len(self.buckets))):
             size, smallest = self.buckets[i], self.buckets[i - 1] + 1 if i else 1
-            for mode in sorted({self.mode_for(n) for n in range(smallest, size + 1)}):
+            modes = {self.mode_for(n) for n in range(smallest, size + 1)} | ({"target"} if self.target_fallback else set())
+            for mode in sorted(modes):
                 for kind in kinds:
-                    self.get(size, dataclasses.replace(kind, mode=mode))
+                    self.get(size, dataclasses.replace(kind, mode=mode,
+                                                       draft_sampling=kind.draft_sampling and mode != "target"))
+
+    def _timed_modes(self, size: int) -> list[str]:
+        """The greedy steps `measure_policy` times in a bucket: DFlash and DScale where DScale's policy chooses,
+        else the bucket's own step; and the target-only step for the fallback."""
+        if self.measured_policy and size > self.full_width_max_batch:
+            return ["dflash", "dscale"] + (["target"] if self.target_fallback else [])
+        return [self.mode_for(size), "target"] if self.target_fallback else []
 
     def measure_policy(self, reps: int = 7) -> None:
-        """DScale's measured policy: replay each bucket's captured greedy DFlash and DScale steps with every
-        request live at `policy_context` tokens (all pages on the scratch page), the median of `reps` timed
-        replays each, and keep the decision only in buckets where its step is faster."""
-        assert self.use_graphs and self.mode == "dscale"
+        """Replay each bucket's captured greedy steps (`_timed_modes`) with every request live at
+        `policy_context` tokens (all pages on the scratch page), the median of `reps` timed replays each
+        (`policy_ms`). DScale's measured policy keeps the decision only in buckets where its step is faster."""
+        assert self.use_graphs
         w = self.block_size
         context = max(1, min(self.policy_context, self.max_pages * self.page_size - 2 * w))
         for size in self.buckets:
-            if size <= self.full_width_max_batch:
-                continue
             times = {}
-            for mode in ("dflash", "dscale"):
+            for mode in self._timed_modes(size):
                 step = self.get(size, StepKind(mode))
-                rows = budget_rows(size, w, self.budget_ratio) if mode == "dscale" else w * size
+                rows = budget_rows(size, w, self.budget_ratio) if mode == "dscale" else step.width * size
                 step.buf.fill([0] * size, [context] * size, [], [(0, 0, -1, RULE_GREEDY, 1.0, 1.0)] * size, rows, None)
                 for _ in range(2):
                     step()
@@ -500,9 +512,14 @@ class StepRunner:
                     end.synchronize()
                     samples.append(start.elapsed_time(end))
                 times[mode] = float(np.median(samples))
+            if not times:
+                continue
             times = _agreed(times, self.device)
             self.policy_ms[size] = times
-            self.bucket_modes[size] = "dscale" if times["dscale"] <= times["dflash"] else "dflash"
+            if self.measured_policy and "dscale" in times:
+                self.bucket_modes[size] = "dscale" if times["dscale"] <= times["dflash"] else "dflash"
+        if not self.measured_policy:
+            return
         for size in self.buckets:
             self.bucket_modes.setdefault(size, "dflash")
         if "dscale" not in self.bucket_modes.values():
@@ -522,7 +539,7 @@ class StepRunner:
         size = self.bucket(n)
         step = self.get(size, kind)
         self.last_key = (size, kind)
-        rows = budget_rows(n, self.block_size, self.budget_ratio) if kind.mode == "dscale" else self.block_size * n
+        rows = budget_rows(n, self.block_size, self.budget_ratio) if kind.mode == "dscale" else step.width * n
         step.buf.fill(anchors, ctx, pages, sampling, rows, context, slots, host)
         result = step()
         features = step.features[:n].float() if step.features is not None else None

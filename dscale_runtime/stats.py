@@ -65,4 +65,6 @@ class EngineCounters:
     verify_rows: int = 0
     retained_drafts: int = 0
     full_width_drafts: int = 0
+    steps_by_mode: dict[str, int] = field(default_factory=dict)
+    """Decode steps by the step they ran ('target', 'dflash', 'dscale'): the policies' choices."""
     history: list[StepStats] = field(default_factory=list)

@@ -98,3 +98,58 @@ def test_seeded_sampling_is_the_same_with_cache_and_chunks(pair):  # noqa: F811
 def test_capacity_options_are_checked():
     with pytest.raises(ValueError, match="chunked_prefill_tokens"):
         EngineConfig(chunked_prefill_tokens=-1)
+
+
+def fallback_engine(engine, target_ms: float, spec_ms: float):
+    """Give a CPU engine the start-up step times a GPU engine measures, so that its target fallback runs."""
+    engine.runner.target_fallback = True
+    mode = engine.config.mode
+    engine.runner.policy_ms = {b: {"target": target_ms, mode: spec_ms} for b in engine.runner.buckets}
+    return engine
+
+
+@pytest.mark.parametrize("mode", ["dflash", "dscale"])
+def test_target_fallback_switches_by_live_acceptance_and_changes_no_token(pair, plain_reference, mode):  # noqa: F811
+    """A random drafter is almost never accepted: with a speculative step costing 1.5 target steps, the engine
+    falls back to target-only steps (speculating every 16th to keep measuring); output equals target-only."""
+    from test_engine_dscale import predictors  # noqa: F401
+    from test_engine_dscale import dscale_engine, make_predictor  # noqa: F401
+
+    prompts, params, want = plain_reference
+    if mode == "dscale":
+        import tempfile
+        from pathlib import Path
+
+        from test_engine_dscale import save_predictor
+
+        predictor = save_predictor(Path(tempfile.mkdtemp()), pair, "untrained", 0)
+        engine = dscale_engine(pair, predictor, max_running_requests=6, chunked_prefill_tokens=0)
+    else:
+        engine = make_engine(pair, mode, max_running_requests=6, chunked_prefill_tokens=0)
+    fallback_engine(engine, 1.0, 1.5)
+    assert_same(engine.generate(prompts, params), want)
+    steps = engine.counters.steps_by_mode
+    assert steps.get("target", 0) > 5 * steps.get(mode, 0) > 0, steps
+    assert engine.live_acceptance[mode] < 0.5
+    # Speculation that costs no more than a target step pays at any acceptance: the engine speculates again.
+    fallback_engine(engine, 1.0, 1.0)  # as fast as a target step: any acceptance pays
+    before = dict(steps)
+    assert_same(engine.generate(prompts, params), want)
+    # (+1: the first run's last launched step, all of whose rows had finished, is committed in this run)
+    assert steps["target"] <= before["target"] + 1 and steps[mode] > before[mode] + 20
+
+
+def test_target_fallback_keeps_speculating_when_drafts_are_accepted(pair):  # noqa: F811
+    from test_engine import OracleDraftEngine, prompt_set
+
+    prompts, _ = prompt_set(12, seed=3)
+    long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    continuations = make_engine(pair, "target").generate(prompts, long)
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * len(prompts)
+    want = make_engine(pair, "target").generate(prompts, params)
+    base = make_engine(pair, max_running_requests=6)
+    engine = OracleDraftEngine(base.target, base.drafter, base.config, base.tokenizer, base.eos_token_ids,
+                               continuations={str(i): o.token_ids for i, o in enumerate(continuations)})
+    fallback_engine(engine, 1.0, 2.0)  # the oracle's drafts are accepted ~7 per step: 8 tokens for 2 step-costs
+    assert_same(engine.generate(prompts, params), want)
+    assert engine.counters.steps_by_mode.get("target", 0) == 0 and engine.live_acceptance["dflash"] > 2

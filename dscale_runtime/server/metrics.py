@@ -111,6 +111,16 @@ class _ScrapeCollector:
         yield gauge("dscale_retention", "Drafts full-width verification accepts that DScale's prefixes keep "
                     "(NaN unless --measure-retention).",
                     c.retained_drafts / c.full_width_drafts if c.full_width_drafts else float("nan"))
+        by_mode = CounterMetricFamily("dscale_decode_steps_by_step", "Decode steps by the step they ran (target, "
+                                      "dflash or dscale: the policies' choices).", labels=["model_name", "step"])
+        for mode, n in sorted(c.steps_by_mode.items()):
+            by_mode.add_metric([model, mode], n)
+        yield by_mode
+        live = GaugeMetricFamily("dscale_live_accept_length", "Running mean of accepted drafts + 1 per request-step, "
+                                 "per speculative step (the target fallback's estimate).", labels=["model_name", "step"])
+        for mode, accepted in sorted(getattr(engine, "live_acceptance", {}).items()):
+            live.add_metric([model, mode], 1.0 + accepted)
+        yield live
         cache = getattr(engine, "prefix_cache_stats", {})
         if cache:
             yield counter("dscale_prefix_cache_queries", "Prefix-cache lookups (one per admission).", cache["queries"])
