@@ -117,6 +117,7 @@ def demo_engine(mode: str, graphs: bool, **config) -> Engine:
     from dscale_runtime.demo.prompts import DEMO_DIR
 
     config.setdefault("dscale_policy", "always")  # DScale's own steps (the measured policy may pick DFlash's)
+    config.setdefault("target_fallback", False)  # speculative steps only (the fallback may pick target-only ones)
     cfg = EngineConfig(mode=mode, max_running_requests=16, device="cuda", dtype="float32", max_model_len=1024,
                        step_graphs=graphs, **config)
     return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
@@ -173,6 +174,28 @@ def test_measured_policy_times_every_bucket_and_keeps_greedy_output():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_target_fallback_times_target_steps_and_keeps_greedy_output():
+    """Speculative engines with graphs time every bucket's target-only step beside their own; with start-up
+    times that make speculation lose at the live acceptance, their target-only steps (which feed the drafter's
+    cache) and the probes between them still decode target-only's greedy tokens."""
+    from dscale_runtime.demo.prompts import stdlib_prompts
+
+    prompts = [p["prompt"] for p in stdlib_prompts()[:20]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
+    for mode in ("dflash", "dscale"):
+        engine = demo_engine(mode, True, target_fallback=True)
+        runner = engine.runner
+        assert all({"target", runner.mode_for(b)} <= set(runner.policy_ms[b]) for b in runner.buckets)
+        assert [o.token_ids for o in engine.generate(prompts, params)] == want
+        for times in runner.policy_ms.values():  # speculation now costs 100 target steps
+            times.update({step: 100 * times["target"] for step in times if step != "target"})
+        assert [o.token_ids for o in engine.generate(prompts, params)] == want
+        assert engine.counters.steps_by_mode["target"] > 0, engine.counters.steps_by_mode
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_captured_top1_sampling_equals_captured_target_only_sampling():
     from dscale_runtime.demo.prompts import stdlib_prompts
 
@@ -198,7 +221,8 @@ def test_captured_sampling_has_the_target_distribution(tmp_path, mode, rule, rat
     exact = exact_sequence_probs(target, params)
     predictor = save_predictor(tmp_path, (target, drafter), "untrained", 3) if mode == "dscale" else None
     cfg = EngineConfig(mode=mode, max_model_len=32, max_running_requests=256, seed=11, budget_ratio=ratio,
-                       sampling_rule=rule, device="cuda", dtype="float32", step_graphs=True, dscale_policy="always")
+                       sampling_rule=rule, device="cuda", dtype="float32", step_graphs=True, dscale_policy="always",
+                       target_fallback=False)
     engine = Engine.from_pretrained(target, drafter, predictor=predictor, config=cfg)
     counts = collections.Counter(tuple(o.token_ids) for o in engine.generate([PROMPT] * 3000, params))
     assert engine.counters.accepted_drafts > 300
