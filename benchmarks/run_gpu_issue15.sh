@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issues 15 and 18 on the device (2026-12-01): GPU tests, then the timings, in parts that fit one 10-minute call.
-# Usage: bash benchmarks/run_gpu_issue15.sh OUT_DIR tests|engine8b|e2e|steps|dp
+# Usage: bash benchmarks/run_gpu_issue15.sh OUT_DIR tests|engine8b|e2e|steps|capacity|dp
 # Wheels the GPU image lacks (sglang-router and its dependencies, jsonargparse) are installed from _wheels/ when
 # that folder exists (pip download ... -d _wheels on a machine with the registry).
 set -uo pipefail
-out=${1:?usage: bash benchmarks/run_gpu_issue15.sh OUT_DIR tests|engine8b|e2e|steps|dp}
-part=${2:?part: tests, engine8b, e2e, steps or dp}
+out=${1:?usage: bash benchmarks/run_gpu_issue15.sh OUT_DIR tests|engine8b|e2e|steps|capacity|dp}
+part=${2:?part: tests, engine8b, e2e, steps, capacity or dp}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -24,6 +24,9 @@ case "$part" in
     timeout 450 python benchmarks/demo_gpu_e2e.py --prompts 96 --max-tokens 128 --concurrency 8 32 --step-graphs \
       --sampling 0 1 0.7/0.8 --repeats 3 --no-overlap-too --out "$out/demo_e2e.json" 2>&1 | tee "$out/demo_e2e.log" \
       | grep "^c="
+    ;;
+  capacity)
+    timeout 500 python benchmarks/capacity_gpu.py --out "$out/capacity.json" 2>&1 | tail -12 | tee "$out/capacity.log"
     ;;
   dp)
     timeout 150 python benchmarks/dp_gpu_check.py --prompts 64 --max-tokens 64 --concurrency 16 --log-dir "$out/dp_logs" \

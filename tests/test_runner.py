@@ -118,8 +118,8 @@ def demo_engine(mode: str, graphs: bool, **config) -> Engine:
 
     config.setdefault("dscale_policy", "always")  # DScale's own steps (the measured policy may pick DFlash's)
     config.setdefault("target_fallback", False)  # speculative steps only (the fallback may pick target-only ones)
-    cfg = EngineConfig(mode=mode, max_running_requests=16, device="cuda", dtype="float32", max_model_len=1024,
-                       step_graphs=graphs, **config)
+    config.setdefault("max_running_requests", 16)
+    cfg = EngineConfig(mode=mode, device="cuda", dtype="float32", max_model_len=1024, step_graphs=graphs, **config)
     return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
                                   DEMO_DIR.parent / "demo.pt" if mode == "dscale" else None, config=cfg)
 
@@ -192,6 +192,24 @@ def test_target_fallback_times_target_steps_and_keeps_greedy_output():
             times.update({step: 100 * times["target"] for step in times if step != "target"})
         assert [o.token_ids for o in engine.generate(prompts, params)] == want
         assert engine.counters.steps_by_mode["target"] > 0, engine.counters.steps_by_mode
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_chunked_prefill_and_prefix_caching_keep_greedy_output_on_cuda():
+    """Prompts sharing long prefixes, prefilled in 48-token chunks from cached pages (Triton attention over a
+    cached context), decode target-only's greedy tokens (target-only without caching or chunks as the oracle)."""
+    from dscale_runtime.demo.prompts import stdlib_prompts
+
+    base = [p["prompt"] for p in stdlib_prompts()[:6]]
+    prompts = [base[i % 3] * 3 + base[3 + i % 3] for i in range(18)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = [o.token_ids for o in demo_engine("target", True, prefix_caching=False, chunked_prefill_tokens=0,
+                                             max_running_requests=4).generate(prompts, params)]
+    for mode in ("target", "dflash", "dscale"):
+        engine = demo_engine(mode, True, chunked_prefill_tokens=48, max_running_requests=4)
+        assert [o.token_ids for o in engine.generate(prompts, params)] == want, mode
+        assert engine.prefix_cache_stats["hit_tokens"] > 0
 
 
 @pytest.mark.gpu

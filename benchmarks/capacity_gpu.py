@@ -1,0 +1,178 @@
+"""Engine capacity at Qwen3-8B shape on the GPU (issue 17): the pool from a memory fraction, chunked prefill
+beside decoding, prefix caching. Random bf16 weights (`gpu_step.build_models`) in the public `Engine` with step
+graphs, DFlash mode (`--mode`), every request greedy with ignore_eos.
+
+Three parts (`--parts`):
+- `pool`: `max_model_len 40960`, `max_running_requests 64`, `memory_fraction 0.85`: the engine starts (the pool
+  holds what weights and the profiled reserve leave) and decodes 64 concurrent requests of `--pool-prompt`
+  tokens; reports pool tokens, memory in use after capture, and whether all 64 ran at once.
+- `gap`: 31 requests decode; then a `--long-prompt`-token prompt arrives. For each `--chunks` budget: the running
+  requests' longest gap between engine steps while the long prompt prefills, against their median step time
+  before it (issue 17 asks <= 3x).
+- `ttft`: a `--repeat-prompt`-token prompt sent twice (prefix caching on): time to first token of each.
+
+    python benchmarks/capacity_gpu.py --out $OUT/capacity.json          # H200: about 3-5 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_step import SHAPES, build_models  # noqa: E402
+
+from dscale_runtime.config import EngineConfig, SamplingParams  # noqa: E402
+from dscale_runtime.engine import Engine  # noqa: E402
+from dscale_runtime.kernels import KernelChoice  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def engine_for(models, args, **config) -> Engine:
+    target, drafter = models
+    cfg = EngineConfig(mode=args.mode, device=args.device, dtype=args.dtype, step_graphs=args.device == "cuda",
+                       **config)
+    return Engine(target, drafter if args.mode != "target" else None, cfg, eos_token_ids=set())
+
+
+def random_prompt(gen: torch.Generator, vocab: int, length: int) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=gen).tolist()
+
+
+def part_pool(models, args, gen) -> dict:
+    t0 = time.perf_counter()
+    engine = engine_for(models, args, max_model_len=40960, max_running_requests=64, memory_fraction=0.85)
+    sync()
+    start_s = time.perf_counter() - t0
+    vocab = models[0].config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.pool_tokens, ignore_eos=True)
+    ids = [engine.add_request(random_prompt(gen, vocab, args.pool_prompt), params) for _ in range(64)]
+    most_running, done = 0, {}
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+        most_running = max(most_running, engine.num_running)
+    sync()
+    free, total = torch.cuda.mem_get_info()
+    pool = (engine.allocator.num_pages - 1) * engine.config.page_size
+    row = {"start_s": round(start_s, 2), "pool_tokens": pool, "most_running": most_running,
+           "finished": len(done), "all_full_length": all(len(done[i].token_ids) == args.pool_tokens for i in ids),
+           "run_s": round(time.perf_counter() - t0, 2), "reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 2),
+           "device_used_share": round(1 - free / total, 3)}
+    del engine
+    gc.collect()  # NOTE: the engine's steps hold themselves in reference cycles; its pool goes now
+    return row
+
+
+def part_gap(models, args, gen) -> list[dict]:
+    vocab = models[0].config.vocab_size
+    rows = []
+    for chunk in args.chunks:
+        engine = engine_for(models, args, max_model_len=args.long_prompt + 1024, max_running_requests=32,
+                            chunked_prefill_tokens=chunk, prefix_caching=False)
+        decode = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+        for _ in range(31):
+            engine.add_request(random_prompt(gen, vocab, 512), decode)
+        while any(r.prefilling for r in engine.scheduler.running) or engine.num_waiting:  # admit and prefill
+            engine.step()
+        for _ in range(4):  # warm up
+            engine.step()
+        sync()
+        steps = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            engine.step()
+            sync()
+            steps.append(time.perf_counter() - t0)
+        long_id = engine.add_request(random_prompt(gen, vocab, args.long_prompt),
+                                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        gaps, t_arrive = [], time.perf_counter()
+        while not engine.generated_token_ids(long_id):
+            t0 = time.perf_counter()
+            engine.step()
+            sync()
+            gaps.append(time.perf_counter() - t0)
+        median = statistics.median(steps)
+        rows.append({"chunked_prefill_tokens": chunk, "median_step_ms": round(median * 1000, 2),
+                     "longest_gap_ms": round(max(gaps) * 1000, 2), "gap_over_median": round(max(gaps) / median, 2),
+                     "steps_until_first_token": len(gaps),
+                     "long_prompt_ttft_s": round(time.perf_counter() - t_arrive, 3)})
+        print(json.dumps(rows[-1]), flush=True)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def part_ttft(models, args, gen) -> dict:
+    vocab = models[0].config.vocab_size
+    engine = engine_for(models, args, max_model_len=args.repeat_prompt + 256, max_running_requests=8)
+    prompt = random_prompt(gen, vocab, args.repeat_prompt)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine.generate([random_prompt(gen, vocab, args.repeat_prompt)], params)  # warm-up: prefill shapes compiled
+    times, outputs = [], []
+    for _ in range(2):
+        sync()
+        t0 = time.perf_counter()
+        request_id = engine.add_request(prompt, params)
+        while not engine.generated_token_ids(request_id):
+            engine.step()
+        times.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.append(out.token_ids)
+    return {"prompt_tokens": args.repeat_prompt, "ttft_first_s": round(times[0], 4),
+            "ttft_repeat_s": round(times[1], 4), "repeat_over_first": round(times[1] / times[0], 3),
+            "outputs_equal": outputs[0] == outputs[1], "prefix_cache": engine.prefix_cache_stats}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=["pool", "gap", "ttft"], choices=["pool", "gap", "ttft"])
+    parser.add_argument("--mode", default="dflash", choices=["target", "dflash"])
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--pool-prompt", type=int, default=1024)
+    parser.add_argument("--pool-tokens", type=int, default=64)
+    parser.add_argument("--long-prompt", type=int, default=16384)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--repeat-prompt", type=int, default=2048)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    kernels = KernelChoice.resolve(args.device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    result = {"command": "python benchmarks/capacity_gpu.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+                                                                         vars(args).items() if k != "out"),
+              "date": datetime.date.today().isoformat(),
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}
+    with torch.no_grad():
+        models = build_models(SHAPES[args.shape], args.device, dtype, kernels)
+        for part in args.parts:
+            result[part] = {"pool": part_pool, "gap": part_gap, "ttft": part_ttft}[part](models, args, gen)
+            print(part, json.dumps(result[part]), flush=True)
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
