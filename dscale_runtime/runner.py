@@ -145,12 +145,13 @@ class StepBuffers:
             floats[b : 2 * b].fill(1.0)
             floats[0:n] = cols[:, 4]
             floats[b : b + n] = cols[:, 5]
-        ints[7 * b : 8 * b] = self.dummy_slot
+        slot, flag = INT_FIELDS.index("slot") * b, INT_FIELDS.index("host") * b
+        ints[slot : slot + b] = self.dummy_slot
         if slots is not None:
-            ints[7 * b : 7 * b + n] = slots
-        ints[8 * b : 9 * b] = 1
+            ints[slot : slot + n] = slots
+        ints[flag : flag + b] = 1
         if host is not None:
-            ints[8 * b : 8 * b + n] = host
+            ints[flag : flag + n] = host
         tables = ints[f * b : f * b + b * self.max_pages].reshape(b, self.max_pages)
         for i, table in enumerate(pages):
             tables[i, : len(table)] = table

@@ -147,7 +147,7 @@ class Scheduler:
                 request.pages = self.allocator.match(tokens, max_tokens=len(tokens) - 1)
                 request.num_computed = len(request.pages) * self.allocator.page_size
             if not self._grow(request):
-                if caching:  # NOTE: the matched pages wait with the request no more than the others
+                if caching:  # NOTE: a request that cannot be admitted holds no pages while it waits
                     self._release(request)
                     request.num_computed = 0
                 break
