@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dscale_runtime.dvl.allocate import allocate
 from dscale_runtime.dvl.features import FeatureSpec, context_features, hidden_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, seed_lengths
-from dscale_runtime.graphs import GraphedCall
+from dscale_runtime.graphs import GraphedCall, cuda_times
 from dscale_runtime.kernels import KernelChoice
 from dscale_runtime.kv_cache import PagedKVCache
 from dscale_runtime.models.config import DFlashConfig, Qwen3Config
@@ -272,17 +272,11 @@ def time_call(fn, device, reps: int, warmup: int) -> dict:
     for _ in range(warmup):
         fn()
     sync(device)
-    times = []
-    cuda = torch.device(device).type == "cuda"
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+    if torch.device(device).type == "cuda":
+        times = cuda_times(fn, reps)
+    else:
+        times = []
+        for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)

@@ -526,13 +526,14 @@ class Engine:
         kind = self._step_kind(requests, mode)
         ctx = [r.num_computed for r in requests]
         decode_steps = [r.stats.num_steps for r in requests]
+        host = [r.ahead == 0 for r in requests]
         context = None
-        if self.runner.state.history is not None or kind.features:  # DScale's decisions read the history
+        # DScale's decisions read the history; rows a step ahead of the host take theirs from the device state
+        if (self.runner.state.history is not None and any(host)) or kind.features:
             context = context_features(self.feature_spec, n, ctx, decode_steps,
                                        [r.stats.accepted_lens for r in requests], "cpu").numpy()
         pending = self.runner.launch([r.last_token_id for r in requests], ctx, [r.pages for r in requests],
-                                     [r.sampling for r in requests], kind, context, [r.slot for r in requests],
-                                     [r.ahead == 0 for r in requests])
+                                     [r.sampling for r in requests], kind, context, [r.slot for r in requests], host)
         for request in requests:
             request.ahead += 1
 

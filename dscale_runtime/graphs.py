@@ -52,3 +52,16 @@ class GraphedCall:
         else:
             self.graph.replay()
         return self.outputs
+
+
+def cuda_times(fn, reps: int) -> list[float]:
+    """Milliseconds of each of `reps` calls of `fn()`, timed by CUDA events on the current stream."""
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return samples

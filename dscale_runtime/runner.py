@@ -35,7 +35,7 @@ from dscale_runtime.dvl.allocate import allocate, budget_rows
 from dscale_runtime.dvl.features import acceptance_features
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import seed_lengths
-from dscale_runtime.graphs import GraphedCall
+from dscale_runtime.graphs import GraphedCall, cuda_times
 from dscale_runtime.kv_cache import SCRATCH_PAGE
 from dscale_runtime.sampling import COIN, DRAFT, RESIDUAL, Policy, SamplingRows, make_policy, sample, target_tokens
 from dscale_runtime.verify import accept_greedy, accept_sampled_drafts
@@ -504,15 +504,7 @@ class StepRunner:
                 step.buf.fill([0] * size, [context] * size, [], [(0, 0, -1, RULE_GREEDY, 1.0, 1.0)] * size, rows, None)
                 for _ in range(2):
                     step()
-                samples = []
-                for _ in range(reps):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    step()
-                    end.record()
-                    end.synchronize()
-                    samples.append(start.elapsed_time(end))
-                times[mode] = float(np.median(samples))
+                times[mode] = float(np.median(cuda_times(step, reps)))
             if not times:
                 continue
             times = _agreed(times, self.device)

@@ -133,15 +133,22 @@ class OracleDraftEngine(Engine):
         return super()._decode(requests)
 
 
-def test_oracle_drafts_cover_every_accepted_length(pair):
-    prompts, _ = prompt_set(24, seed=3)
-    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+def oracle_setup(pair, num_prompts: int, reach: int):
+    """An `OracleDraftEngine` (6 running) drafting the target's greedy continuations of `reach` tokens, the
+    prompts, 60-token greedy params and target-only's outputs for them."""
+    prompts, _ = prompt_set(num_prompts, seed=3)
+    long = SamplingParams(temperature=0, max_tokens=reach, ignore_eos=True)
     continuations = make_engine(pair, "target").generate(prompts, long)
     params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * len(prompts)
     want = make_engine(pair, "target").generate(prompts, params)
     base = make_engine(pair, max_running_requests=6)
     engine = OracleDraftEngine(base.target, base.drafter, base.config, base.tokenizer, base.eos_token_ids,
                                continuations={str(i): o.token_ids for i, o in enumerate(continuations)})
+    return engine, prompts, params, want
+
+
+def test_oracle_drafts_cover_every_accepted_length(pair):
+    engine, prompts, params, want = oracle_setup(pair, 24, 100)
     outputs = engine.generate(prompts, params)
     assert_same(outputs, want)
     seen = collections.Counter(a for o in outputs for a in o.stats.accepted_lens)

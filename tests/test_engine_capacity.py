@@ -140,16 +140,9 @@ def test_target_fallback_switches_by_live_acceptance_and_changes_no_token(pair, 
 
 
 def test_target_fallback_keeps_speculating_when_drafts_are_accepted(pair):  # noqa: F811
-    from test_engine import OracleDraftEngine, prompt_set
+    from test_engine import oracle_setup
 
-    prompts, _ = prompt_set(12, seed=3)
-    long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
-    continuations = make_engine(pair, "target").generate(prompts, long)
-    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * len(prompts)
-    want = make_engine(pair, "target").generate(prompts, params)
-    base = make_engine(pair, max_running_requests=6)
-    engine = OracleDraftEngine(base.target, base.drafter, base.config, base.tokenizer, base.eos_token_ids,
-                               continuations={str(i): o.token_ids for i, o in enumerate(continuations)})
+    engine, prompts, params, want = oracle_setup(pair, 12, 80)
     fallback_engine(engine, 1.0, 2.0)  # the oracle's drafts are accepted ~7 per step: 8 tokens for 2 step-costs
     assert_same(engine.generate(prompts, params), want)
     assert engine.counters.steps_by_mode.get("target", 0) == 0 and engine.live_acceptance["dflash"] > 2
