@@ -61,11 +61,12 @@ class EngineConfig:
     """DScale only: 'measured' (with `step_graphs` on CUDA): after capture, time every bucket's greedy DFlash and
     DScale steps and run the decision only in buckets where its step is faster (logged, `Engine.step_policy`);
     'always': decide in every bucket above `full_width_max_batch`. Without graphs (CPU) both mean 'always'."""
-    target_fallback: bool = True
+    target_fallback: bool = False
     """Speculative modes with `step_graphs` on CUDA: also capture and time each bucket's target-only step, and
     run a bucket's steps target-only while the live acceptance says speculation yields fewer tokens per second
     (start-up step times x (1 + accepted drafts per request-step, a running mean over recent steps)); every
-    16th such step still speculates, keeping the estimate current. Off: always speculate."""
+    16th such step still speculates, keeping the estimate current. Off (for now: its captured steps have not
+    run on a GPU yet): always speculate."""
     measure_retention: bool = False
     """DScale only: also run full-width verification each step to measure retention (costs a second
     target forward; for analysis, not serving)."""

@@ -53,7 +53,7 @@ class ServeConfig:
     """DScale with step graphs: 'measured' times every bucket's DFlash and DScale steps at start-up and decides
     only where that is faster (the log shows the choice); 'always' decides in every bucket above
     --full-width-max-batch."""
-    target_fallback: bool = True
+    target_fallback: bool = False
     """Speculative modes with step graphs: run a batch size's steps target-only while the live acceptance and the
     start-up step times say speculation yields fewer tokens per second (a speculative step every 16 keeps
     measuring); /metrics shows the choice per bucket."""
