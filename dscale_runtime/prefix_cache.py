@@ -138,6 +138,14 @@ class PrefixCachingAllocator(PageAllocator):
         self._hit_tokens += len(pages) * self.page_size
         return pages
 
+    def cached_pages(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` (`page_keys` of a sequence) are cached: what `match` would return, without
+        taking references or counting a query."""
+        count = 0
+        while count < len(keys) and keys[count] in self._page_of:
+            count += 1
+        return count
+
     def register(self, token_ids: Sequence[int], pages: list[int]) -> None:
         """Keys the full pages of `token_ids`, whose K/V is written in `pages` (pages[i] holds positions
         i*page_size...), so that `match` can return them.

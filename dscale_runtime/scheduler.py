@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from dscale_runtime.config import RequestStats, SamplingParams
 from dscale_runtime.kv_cache import PageAllocator
+from dscale_runtime.prefix_cache import page_keys
 
 log = logging.getLogger("dscale.scheduler")
 
@@ -50,6 +51,8 @@ class Request:
     """Tokens the engine prefills for this request in the current step (chunked prefill)."""
     ahead: int = 0
     """Launched steps of this request not committed yet (its device state is newer than its host state)."""
+    page_keys: tuple[int, list[bytes]] = (-1, [])
+    """(number of prefill tokens, prefix keys of their full pages), computed by a prefix-caching scheduler."""
     sampling: tuple = ()
     """(seed_lo, seed_hi, top_k, rule, temperature, top_p): the request's columns of the step buffers."""
     stats: RequestStats = field(default_factory=RequestStats)
@@ -137,12 +140,21 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Admit waiting requests, in order, while the running-request limit and the free pages allow. With a
         prefix-caching allocator a request starts from the longest cached prefix of its tokens (at least one
-        token is always computed) and gets pages for the rest."""
+        token is always computed) and gets pages for the rest; a request whose next page a running request is
+        still prefilling waits for those pages instead of computing them again, and the requests behind it go
+        on (SGLang's in-batch prefix deprioritization)."""
         admitted = []
         caching = hasattr(self.allocator, "match")
-        while self.waiting and len(self.running) < self.max_running:
-            request = self.waiting[0]
+        pending = self._pending_keys() if caching else set()
+        index = 0
+        # NOTE: at most max_running waiting requests are passed over per call, so a long queue sharing one
+        # prompt costs a bounded scan (and hashing) per step.
+        while index < len(self.waiting) and index <= self.max_running and len(self.running) < self.max_running:
+            request = self.waiting[index]
             if caching and not request.pages:
+                if pending and self._waits(request, pending):
+                    index += 1
+                    continue
                 tokens = request.prefill_token_ids
                 request.pages = self.allocator.match(tokens, max_tokens=len(tokens) - 1)
                 request.num_computed = len(request.pages) * self.allocator.page_size
@@ -151,12 +163,32 @@ class Scheduler:
                     self._release(request)
                     request.num_computed = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             request.status = Status.RUNNING
             request.slot = self._free_slots.pop()
             self.running.append(request)
             admitted.append(request)
+            if caching:
+                pending |= set(self._keys(request)[request.num_computed // self.allocator.page_size :])
         return admitted
+
+    def _keys(self, request: Request) -> list[bytes]:
+        """Prefix keys of the full pages of the request's prefill tokens (kept while those tokens stay the same)."""
+        tokens = request.prefill_token_ids
+        if request.page_keys[0] != len(tokens):
+            request.page_keys = (len(tokens), page_keys(tokens, self.allocator.page_size))
+        return request.page_keys[1]
+
+    def _pending_keys(self) -> set[bytes]:
+        """Keys of the full pages that running requests have yet to prefill (they register them when computed)."""
+        size = self.allocator.page_size
+        return {key for r in self.running if r.prefilling for key in self._keys(r)[r.num_computed // size :]}
+
+    def _waits(self, request: Request, pending: set[bytes]) -> bool:
+        """Whether the first page after the request's cached prefix is one a running request is prefilling."""
+        keys = self._keys(request)[: (len(request.prefill_token_ids) - 1) // self.allocator.page_size]
+        cached = self.allocator.cached_pages(keys)  # NOTE: the last token is always computed, hence the bound
+        return cached < len(keys) and keys[cached] in pending
 
     def register(self, request: Request) -> None:
         """With a prefix-caching allocator: offer the full pages of the request's computed tokens to later

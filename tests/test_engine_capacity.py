@@ -51,6 +51,39 @@ def test_prefix_caching_reuses_pages_and_changes_no_token(pair, plain_reference,
         len(p) - (len(p) - 1) // 16 * 16 for p in prompts[:3])
 
 
+def best_shared_tokens(prompts: list[list[int]], page: int = 16) -> list[int]:
+    """Brute force: the tokens each prompt can take from an earlier one's full pages (leading pages in common,
+    within the earlier prompt's full pages and short of this prompt's last token)."""
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    return [max([min(common(p, q) // page, len(q) // page, (len(p) - 1) // page) * page for q in prompts[:i]],
+                default=0) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("chunk", [0, 24])
+def test_requests_admitted_together_share_their_prefix(pair, plain_reference, chunk):  # noqa: F811
+    """All 12 prompts fit at once: a prompt whose pages another running request is still prefilling waits for
+    them (the prompts behind it go on), so each prompt computes only what no earlier prompt holds."""
+    prompts, params, want = plain_reference
+    engine = make_engine(pair, "dflash", max_running_requests=16, prefix_caching=True, chunked_prefill_tokens=chunk)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    engine.step()
+    first = {r.request_id for r in engine.scheduler.running}
+    assert first == set(ids[:3]), "one request per system prompt runs first; its repeats wait for its pages"
+    done = {}
+    while engine.has_unfinished():
+        done.update((out.request_id, out) for out in engine.step())
+    assert_same([done[i] for i in ids], want)
+    shared = best_shared_tokens(prompts)
+    assert sum(shared) >= 16 * 2 * 9
+    assert engine.counters.prefill_tokens == sum(len(p) for p in prompts) - sum(shared)
+    assert engine.prefix_cache_stats["hit_tokens"] == sum(shared)
+
+
 def test_chunked_prefill_interleaves_decode_and_changes_no_token(pair, plain_reference):  # noqa: F811
     prompts, params, want = plain_reference
     engine = make_engine(pair, "dflash", max_running_requests=16, prefix_caching=False, chunked_prefill_tokens=24)

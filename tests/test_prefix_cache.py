@@ -122,7 +122,11 @@ def test_random_traffic_matches_reference(seed: int) -> None:
         if op < 0.3:  # admit a request: match its prompt (all but the last token), allocate the rest
             tokens = random_tokens()
             max_tokens = len(tokens) - 1
+            stats = real.stats
+            peeked = real.cached_pages(page_keys(tokens[:max_tokens], page_size))
+            assert real.stats == stats  # a peek counts no query and takes no reference
             matched = real.match(tokens, max_tokens)
+            assert peeked == len(matched)
             assert matched == ref.match(tokens, max_tokens)
             assert len(matched) * page_size <= max_tokens
             hits += bool(matched)
