@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 MODES = ("target", "dflash", "dscale")
 SAMPLING_RULES = ("auto", "top1", "sampled")
+DSCALE_POLICIES = ("measured", "always", "live")
 DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 
 
@@ -60,7 +61,10 @@ class EngineConfig:
     dscale_policy: str = "measured"
     """DScale only: 'measured' (with `step_graphs` on CUDA): after capture, time every bucket's greedy DFlash and
     DScale steps and run the decision only in buckets where its step is faster (logged, `Engine.step_policy`);
-    'always': decide in every bucket above `full_width_max_batch`. Without graphs (CPU) both mean 'always'."""
+    'always': decide in every bucket above `full_width_max_batch`; 'live': time them as 'measured' does, then
+    while serving run in each bucket the step with the most tokens per second by the live traffic (start-up
+    step time x (1 + accepted drafts per request-step of that step, a running mean); every 16th step runs the
+    other step to keep both estimates current). Without graphs (CPU) all three mean 'always'."""
     target_fallback: bool = False
     """Speculative modes with `step_graphs` on CUDA: also capture and time each bucket's target-only step, and
     run a bucket's steps target-only while the live acceptance says speculation yields fewer tokens per second
@@ -122,8 +126,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.budget_ratio must be in (0, 1], got {self.budget_ratio}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.dscale_policy not in ("measured", "always"):
-            raise ValueError(f"EngineConfig.dscale_policy must be 'measured' or 'always', got '{self.dscale_policy}'")
+        if self.dscale_policy not in DSCALE_POLICIES:
+            raise ValueError(f"EngineConfig.dscale_policy must be one of {DSCALE_POLICIES}, got '{self.dscale_policy}'")
         if self.full_width_max_batch < 0:
             raise ValueError(f"EngineConfig.full_width_max_batch must be >= 0, got {self.full_width_max_batch}")
         if self.dtype not in DTYPES + ("auto",):

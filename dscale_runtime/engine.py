@@ -41,7 +41,8 @@ from dscale_runtime.stats import EngineCounters, StepStats, StepTrace, retained_
 log = logging.getLogger("dscale.engine")
 
 FALLBACK_PROBE = 16
-"""While a bucket has fallen back to target-only steps, every this-many-th step speculates (`Engine._mode_for`)."""
+"""With a live choice of steps, every this-many-th step runs a speculative step other than the best
+(`Engine._mode_for`): a fallen-back bucket still speculates, DScale and DFlash both stay measured."""
 ACCEPTANCE_WEIGHT = 0.05
 """Weight of each step in the running mean of live acceptance (about the last 20 steps)."""
 
@@ -140,11 +141,15 @@ class Engine:
             feature_spec=self.feature_spec, predictor=self.predictor, projection=self.hidden_projection,
             buckets=list(config.graph_buckets) if config.graph_buckets else None,
             use_graphs=config.step_graphs and self.device.type == "cuda", device=self.device,
-            measured_policy=config.dscale_policy == "measured", policy_context=min(1024, config.max_model_len // 2),
-            target_fallback=config.target_fallback and not config.measure_retention)
+            measured_policy=config.dscale_policy in ("measured", "live"),
+            policy_context=min(1024, config.max_model_len // 2),
+            target_fallback=config.target_fallback and not config.measure_retention,
+            live_policy=config.dscale_policy == "live" and not config.measure_retention)
         self.live_acceptance: dict[str, float] = {}
         """Running mean of accepted drafts per request-step, per speculative step ('dflash', 'dscale')."""
-        self._fallback_steps = 0
+        self._live_steps = 0
+        self._last_run: dict[str, int] = {}
+        """Step mode -> `_live_steps` when it last ran (the live choice probes the one run least recently)."""
         if self.runner.use_graphs:
             self.runner.prepare(self._serving_kinds())
             if self.runner.bucket_modes:
@@ -500,23 +505,30 @@ class Engine:
         return []
 
     def _mode_for(self, n: int, probe: bool = True) -> str:
-        """The step a batch of n runs: the runner's (DScale's measured policy), or target-only where the start-up
-        step times and the live acceptance say speculation yields fewer tokens per second (`target_fallback`);
-        every `FALLBACK_PROBE`-th fallen-back step speculates, so the acceptance estimate follows the traffic."""
+        """The step a batch of n runs: the runner's (DScale's measured policy), or, among the steps the runner
+        timed at start-up for the bucket (`StepRunner.live_modes`: DFlash and DScale with `dscale_policy`
+        'live', the target-only step with `target_fallback`), the one with the most expected tokens per second:
+        (1 + live accepted drafts per request-step) / step time, 1 / step time for target-only. Every
+        `FALLBACK_PROBE`-th step runs the speculative step other than the best that ran least recently (one
+        never run, as soon as the first has an estimate), so every estimate follows the traffic."""
         mode = self.runner.mode_for(n)
-        if mode == "target" or not self.runner.target_fallback or self.step_observers:
+        modes = self.runner.live_modes(n) if not self.step_observers else [mode]
+        if len(modes) < 2:
             return mode
-        times = self.runner.policy_ms.get(self.runner.bucket(n), {})
-        accepted = self.live_acceptance.get(mode)
-        if accepted is None or "target" not in times or mode not in times:
-            return mode
-        if (1 + accepted) / times[mode] >= 1 / times["target"]:
-            return mode
+        times = self.runner.policy_ms[self.runner.bucket(n)]
+        rates = {m: (1 + self.live_acceptance[m] if m != "target" else 1) / times[m]
+                 for m in modes if m == "target" or m in self.live_acceptance}
+        best = max(rates, key=lambda m: (rates[m], m == mode)) if mode in rates else mode
         if probe:
-            self._fallback_steps += 1
-            if self._fallback_steps % FALLBACK_PROBE == 0:
-                return mode
-        return "target"
+            self._live_steps += 1
+            others = [m for m in modes if m not in (best, "target")]
+            unknown = [m for m in others if m not in self.live_acceptance]
+            if unknown and mode in rates:  # NOTE: a step never measured runs once the first one has an estimate
+                best = unknown[0]
+            elif others and self._live_steps % FALLBACK_PROBE == 0:
+                best = min(others, key=lambda m: self._last_run.get(m, -1))
+            self._last_run[best] = self._live_steps
+        return best
 
     def _decode(self, requests: list[Request]) -> list[Request]:
         """Launch one decode step of the running batch through the runner; its host commit is queued

@@ -402,7 +402,7 @@ class StepRunner:
                  max_batch: int, max_pages: int, page_size: int, budget_ratio: float, full_width_max_batch: int,
                  feature_spec, predictor=None, projection=None, buckets: list[int] | None = None,
                  use_graphs: bool = False, device: torch.device | str = "cpu", measured_policy: bool = False,
-                 policy_context: int = 1024, target_fallback: bool = False) -> None:
+                 policy_context: int = 1024, target_fallback: bool = False, live_policy: bool = False) -> None:
         assert mode in MODES
         self.target, self.drafter = target, drafter
         self.target_caches, self.drafter_caches = target_caches, drafter_caches
@@ -426,6 +426,8 @@ class StepRunner:
         # DScale's measured policy (`prepare` with graphs): bucket -> 'dscale' or 'dflash', and the step times
         self.state = DeviceState(max_batch, feature_spec.num_context, self.device, with_history=mode == "dscale")
         self.measured_policy = measured_policy and mode == "dscale" and use_graphs
+        # The engine may switch a bucket between its DFlash and DScale steps by live acceptance (`live_modes`).
+        self.live_policy = live_policy and self.measured_policy
         # Target-only steps beside the speculative ones (the engine switches a bucket to them while live
         # acceptance says speculation cannot pay): captured and timed at start-up too.
         self.target_fallback = target_fallback and mode != "target" and use_graphs
@@ -445,6 +447,22 @@ class StepRunner:
         if self.mode == "dscale" and self.bucket_modes:
             return self.bucket_modes[self.bucket(n)]
         return self.mode
+
+    def live_modes(self, n: int) -> list[str]:
+        """The steps the engine may choose among by live acceptance for a batch of n (each timed at start-up,
+        `policy_ms`): `mode_for(n)`'s, DFlash and DScale both with the live policy in a bucket where DScale
+        may decide, and the target-only step with the target fallback."""
+        times = self.policy_ms.get(self.bucket(n), {})
+        static = self.mode_for(n)
+        if static not in times:
+            return [static]
+        modes = [static]
+        if (self.live_policy and self.state.history is not None and n > self.full_width_max_batch
+                and "dflash" in times and "dscale" in times):
+            modes = ["dflash", "dscale"]
+        if self.target_fallback and "target" in times and static != "target":
+            modes.append("target")
+        return modes
 
     def _buffers(self, size: int) -> StepBuffers:
         if size not in self.buffers:
@@ -476,7 +494,8 @@ class StepRunner:
             self.measure_policy()
         for i in reversed(range(len(self.buckets))):
             size, smallest = self.buckets[i], self.buckets[i - 1] + 1 if i else 1
-            modes = {self.mode_for(n) for n in range(smallest, size + 1)} | ({"target"} if self.target_fallback else set())
+            modes = {m for n in range(smallest, size + 1) for m in (self.mode_for(n), *self.live_modes(n))}
+            modes |= {"target"} if self.target_fallback else set()
             for mode in sorted(modes):
                 for kind in kinds:
                     self.get(size, dataclasses.replace(kind, mode=mode,

@@ -179,3 +179,45 @@ def test_target_fallback_keeps_speculating_when_drafts_are_accepted(pair):  # no
     fallback_engine(engine, 1.0, 2.0)  # the oracle's drafts are accepted ~7 per step: 8 tokens for 2 step-costs
     assert_same(engine.generate(prompts, params), want)
     assert engine.counters.steps_by_mode.get("target", 0) == 0 and engine.live_acceptance["dflash"] > 2
+
+
+def live_engine(engine, dflash_ms: float, dscale_ms: float):
+    """Give a CPU DScale engine the start-up step times a GPU engine measures, with the live DScale/DFlash choice."""
+    engine.runner.live_policy = True
+    engine.runner.policy_ms = {b: {"dflash": dflash_ms, "dscale": dscale_ms} for b in engine.runner.buckets}
+    return engine
+
+
+def test_live_policy_picks_dflash_or_dscale_by_tokens_per_second_and_changes_no_token(pair):  # noqa: F811
+    """Oracle drafts are accepted about 7 per step at full width, fewer within DScale's half budget: a DScale
+    step at 0.95 of DFlash's cannot pay for the lost drafts, one at 0.3 does. Either way the other step runs
+    every 16th step (both estimates stay live) and the output is target-only's."""
+    from test_engine import OracleDraftEngine, prompt_set
+    from test_engine_dscale import dscale_engine, save_predictor
+    import tempfile
+    from pathlib import Path
+
+    prompts, _ = prompt_set(12, seed=3)
+    long = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True)
+    continuations = make_engine(pair, "target").generate(prompts, long)
+    params = [SamplingParams(temperature=0, max_tokens=110, ignore_eos=True)] * len(prompts)
+    want = make_engine(pair, "target").generate(prompts, params)
+    predictor = save_predictor(Path(tempfile.mkdtemp()), pair, "heuristic", 0)
+    engine = dscale_engine(pair, predictor, cls=OracleDraftEngine, max_running_requests=6,
+                           continuations={str(run * len(prompts) + i): o.token_ids for run in range(2)
+                                          for i, o in enumerate(continuations)})  # request ids of two runs
+    with pytest.raises(ValueError, match="dscale_policy"):
+        EngineConfig(mode="dscale", dscale_policy="fastest")
+    runs = []
+    for dscale_ms in (0.95, 0.3):
+        live_engine(engine, 1.0, dscale_ms)
+        before = dict(engine.counters.steps_by_mode)
+        assert_same(engine.generate(prompts, params), want)
+        runs.append({m: n - before.get(m, 0) for m, n in engine.counters.steps_by_mode.items()})
+        accepted = engine.live_acceptance
+        assert accepted["dflash"] > accepted["dscale"] > 0, accepted
+        rate = {m: (1 + accepted[m]) / t for m, t in (("dflash", 1.0), ("dscale", dscale_ms))}
+        assert max(rate, key=rate.get) == engine.step_policy[engine.runner.buckets[-1]]["mode"]
+    slow, fast = runs
+    assert slow["dflash"] > 4 * slow["dscale"] > 0, slow  # DFlash pays; DScale probed every 16th step
+    assert fast["dscale"] > 4 * fast["dflash"] > 0, fast

@@ -52,7 +52,8 @@ class ServeConfig:
     dscale_policy: str = "measured"
     """DScale with step graphs: 'measured' times every bucket's DFlash and DScale steps at start-up and decides
     only where that is faster (the log shows the choice); 'always' decides in every bucket above
-    --full-width-max-batch."""
+    --full-width-max-batch; 'live' times both and then runs, per bucket, the one with more tokens per second by
+    the live acceptance of each (every 16th step the other)."""
     target_fallback: bool = False
     """Speculative modes with step graphs: run a batch size's steps target-only while the live acceptance and the
     start-up step times say speculation yields fewer tokens per second (a speculative step every 16 keeps

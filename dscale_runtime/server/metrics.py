@@ -138,7 +138,7 @@ class _ScrapeCollector:
                                   labels=["model_name", "bucket", "step"])
         for size, entry in policy.items():
             runs.add_metric([model, str(size), entry["mode"]], 1.0)
-            for step in ("dflash", "dscale"):
+            for step in ("dflash", "dscale", "target"):
                 if step in entry:
                     timed.add_metric([model, str(size), step], entry[step])
         yield runs
