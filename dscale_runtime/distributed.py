@@ -186,4 +186,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dscale_runtime.torchrun import run_worker
+
+    run_worker(main)  # NOTE: every rank torchrun started ends there (dscale_runtime/torchrun.py)

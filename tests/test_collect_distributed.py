@@ -213,3 +213,25 @@ def test_gpu_workers_write_the_records_of_one(tmp_path):
         assert got[name] == want[name], f"{name} differs from the one-worker shard"
     assert any(r["accepted"] > 0 for rows in want.values() for r in rows), "the demo pair accepts drafts"
     assert [w["shards"] for w in _manifest(two)["run"]["by_worker"]] == [4, 4]
+
+
+@pytest.mark.parametrize("body, code, printed", [
+    ("print('done', end='')", 0, "done"),
+    ("raise ValueError('different config')", 1, "ValueError: different config"),
+    ("raise SystemExit('use another --output folder')", 1, "use another --output folder"),
+    ("raise SystemExit(3)", 3, ""),
+])
+def test_a_launched_worker_ends_with_its_jobs_exit_code(body, code, printed):
+    """`run_worker` in a process of a launch (WORLD_SIZE > 1) ends it with the job's exit code, its output
+    flushed and any error printed, skipping the interpreter's teardown (dscale_runtime/torchrun.py)."""
+    script = (f"import atexit, sys\nfrom dscale_runtime.torchrun import run_worker\n"
+              f"atexit.register(lambda: print('teardown ran', file=sys.stderr))\n"
+              f"def job():\n    {body}\nrun_worker(job)\nprint('after the job')\n")
+    for world, teardown in (("2", False), ("1", True)):
+        env = dict(os.environ, WORLD_SIZE=world)
+        run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == code, run.stderr
+        assert printed in run.stdout + run.stderr
+        assert ("teardown ran" in run.stderr) == teardown  # a lone process exits as usual
+        assert ("after the job" in run.stdout) == (world == "1" and code == 0)

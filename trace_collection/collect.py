@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from trace_collection.sources import DatasetSpec, format_prompt, load_prompts
 from trace_collection.store import TraceFolderError, TraceStore, model_files, write_json_atomic
-from trace_collection.workers import Workers, env_rank, launch_local, launched, run_worker, worker_group
+from trace_collection.workers import Workers, env_rank, launch_local, launched, worker_group
 
 # Fields that do not change the records: where they go, how progress is shown, how many workers decode them.
 NOT_IDENTITY = ("output", "progress", "log_records", "num_workers")
@@ -273,10 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     if config.num_workers > 1 and not launched():
         launch_local(config.num_workers, argv)  # this same command in N workers; rank 0 prints the summary
         return
-    manifest = run_worker(collect, config)
+    manifest = collect(config)
     if env_rank() == 0:
         print(json.dumps({"output": values["output"], "counts": manifest.get("counts"), "run": manifest.get("run")}))
 
 
 if __name__ == "__main__":
-    main()
+    from dscale_runtime.torchrun import run_worker
+
+    run_worker(main)  # NOTE: the workers `--num-workers` launches run this module; each ends there (torchrun.py)

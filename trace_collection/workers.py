@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
-import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -137,26 +135,6 @@ def worker_group(num_workers: int):
         workers.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def run_worker(fn, *args):
-    """`fn(*args)` as a launched worker's whole job: a worker whose job raised prints the error and ends with exit
-    code 1 at once, without the interpreter's teardown (below)."""
-    if not launched() or os.environ.get("WORLD_SIZE") == "1":
-        return fn(*args)
-    try:
-        return fn(*args)
-    except SystemExit:
-        raise
-    except BaseException:  # noqa: BLE001 - reported here, then the process ends
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # NOTE: the group is already destroyed (worker_group), yet about one exit in ten after an error aborted in
-        # the interpreter's teardown (gloo, torch 2.13: "terminate called without an active exception", SIGABRT),
-        # so torchrun reported a signal instead of the error's exit code and stopped the peers (SIGTERM) before
-        # they printed theirs. Nothing is left to flush: shards and the manifest are written atomically.
-        os._exit(1)
 
 
 def launch_local(num_workers: int, argv: list[str]) -> None:
