@@ -25,6 +25,10 @@ from dscale_runtime.prefix_cache import page_keys
 
 log = logging.getLogger("dscale.scheduler")
 
+IN_BATCH_SHARE_TOKENS = 32
+"""A waiting request whose next this-many tokens (whole pages) a running request is prefilling waits a step to
+take them from the prefix cache (SGLang's in-batch prefix threshold is 32 tokens as well)."""
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -140,9 +144,9 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Admit waiting requests, in order, while the running-request limit and the free pages allow. With a
         prefix-caching allocator a request starts from the longest cached prefix of its tokens (at least one
-        token is always computed) and gets pages for the rest; a request whose next page a running request is
-        still prefilling waits for those pages instead of computing them again, and the requests behind it go
-        on (SGLang's in-batch prefix deprioritization)."""
+        token is always computed) and gets pages for the rest; a request whose next pages (IN_BATCH_SHARE_TOKENS
+        at least) a running request is still prefilling waits for them instead of computing them again, and the
+        requests behind it go on (SGLang's in-batch prefix deprioritization)."""
         admitted = []
         caching = hasattr(self.allocator, "match")
         pending = self._pending_keys() if caching else set()
@@ -185,10 +189,13 @@ class Scheduler:
         return {key for r in self.running if r.prefilling for key in self._keys(r)[r.num_computed // size :]}
 
     def _waits(self, request: Request, pending: set[bytes]) -> bool:
-        """Whether the first page after the request's cached prefix is one a running request is prefilling."""
-        keys = self._keys(request)[: (len(request.prefill_token_ids) - 1) // self.allocator.page_size]
+        """Whether the pages after the request's cached prefix, IN_BATCH_SHARE_TOKENS tokens of them at least,
+        are pages running requests are prefilling."""
+        size = self.allocator.page_size
+        keys = self._keys(request)[: (len(request.prefill_token_ids) - 1) // size]
         cached = self.allocator.cached_pages(keys)  # NOTE: the last token is always computed, hence the bound
-        return cached < len(keys) and keys[cached] in pending
+        need = -(-IN_BATCH_SHARE_TOKENS // size)
+        return cached + need <= len(keys) and all(key in pending for key in keys[cached : cached + need])
 
     def register(self, request: Request) -> None:
         """With a prefix-caching allocator: offer the full pages of the request's computed tokens to later
