@@ -116,11 +116,12 @@ class PrefixCachingAllocator(PageAllocator):
                 else:
                     self._free.append(page)
 
-    def match(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
+    def match(self, token_ids: Sequence[int], max_tokens: int | None = None, count: bool = True) -> list[int]:
         """Pages of the longest run of leading full pages of `token_ids` that are all cached, taking one
         reference on each; only pages entirely within the first `max_tokens` tokens when given.
 
-        Counts one query of len(token_ids) tokens and len(result) * page_size hit tokens."""
+        Counts one query of len(token_ids) tokens and len(result) * page_size hit tokens (with `count`; a caller
+        that may give the match back counts it later with `count_query`)."""
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
         pages, key = [], b""
         for start in range(0, limit - self.page_size + 1, self.page_size):
@@ -133,10 +134,15 @@ class PrefixCachingAllocator(PageAllocator):
             if self._refs[page] == 0:
                 del self._evictable[page]
             self._refs[page] += 1
-        self._queries += 1
-        self._query_tokens += len(token_ids)
-        self._hit_tokens += len(pages) * self.page_size
+        if count:
+            self.count_query(len(token_ids), len(pages))
         return pages
+
+    def count_query(self, query_tokens: int, hit_pages: int) -> None:
+        """Count one query of `query_tokens` tokens that took `hit_pages` cached pages (the hit-rate counters)."""
+        self._queries += 1
+        self._query_tokens += query_tokens
+        self._hit_tokens += hit_pages * self.page_size
 
     def cached_pages(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` (`page_keys` of a sequence) are cached: what `match` would return, without

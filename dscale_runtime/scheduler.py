@@ -155,18 +155,23 @@ class Scheduler:
         # prompt costs a bounded scan (and hashing) per step.
         while index < len(self.waiting) and index <= self.max_running and len(self.running) < self.max_running:
             request = self.waiting[index]
-            if caching and not request.pages:
+            matched = caching and not request.pages
+            if matched:
                 if pending and self._waits(request, pending):
                     index += 1
                     continue
                 tokens = request.prefill_token_ids
-                request.pages = self.allocator.match(tokens, max_tokens=len(tokens) - 1)
+                # NOTE: counted once admitted: a request that cannot be admitted now is matched again later
+                request.pages = self.allocator.match(tokens, max_tokens=len(tokens) - 1, count=False)
                 request.num_computed = len(request.pages) * self.allocator.page_size
             if not self._grow(request):
                 if caching:  # NOTE: a request that cannot be admitted holds no pages while it waits
                     self._release(request)
                     request.num_computed = 0
                 break
+            if matched:
+                hit_pages = request.num_computed // self.allocator.page_size
+                self.allocator.count_query(len(request.prefill_token_ids), hit_pages)
             del self.waiting[index]
             request.status = Status.RUNNING
             request.slot = self._free_slots.pop()

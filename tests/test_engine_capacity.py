@@ -119,6 +119,8 @@ def test_chunks_and_cache_together_under_preemption(pair, plain_reference):  # n
     assert_same(engine.generate(prompts, params), want)
     assert engine.scheduler.num_preemptions > 0
     assert engine.allocator.num_free == engine.allocator.num_pages - 1
+    # The hit rate counts admissions (a preempted request is admitted again), not attempts that found no room.
+    assert engine.prefix_cache_stats["queries"] == len(prompts) + engine.scheduler.num_preemptions
 
 
 def test_seeded_sampling_is_the_same_with_cache_and_chunks(pair):  # noqa: F811

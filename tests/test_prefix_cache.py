@@ -347,3 +347,7 @@ def test_hit_rate_counts() -> None:
     alloc.match([1, 2, 9])  # 3 tokens, 2 hits
     assert alloc.stats == {"queries": 3, "query_tokens": 11, "hit_tokens": 6, "hit_rate": 6 / 11}
     assert alloc.hit_rate == 6 / 11
+    held = alloc.match([1, 2, 3, 4, 5], count=False)  # a match the caller counts itself, if it keeps it
+    assert len(held) == 2 and alloc.stats["queries"] == 3
+    alloc.count_query(5, len(held))
+    assert alloc.stats == {"queries": 4, "query_tokens": 16, "hit_tokens": 10, "hit_rate": 10 / 16}
