@@ -55,7 +55,7 @@ class Request:
     """Tokens the engine prefills for this request in the current step (chunked prefill)."""
     ahead: int = 0
     """Launched steps of this request not committed yet (its device state is newer than its host state)."""
-    page_keys: tuple[int, list[bytes]] = (-1, [])
+    page_keys: tuple[int, list[bytes]] = (-1, ())
     """(number of prefill tokens, prefix keys of their full pages), computed by a prefix-caching scheduler."""
     sampling: tuple = ()
     """(seed_lo, seed_hi, top_k, rule, temperature, top_p): the request's columns of the step buffers."""
