@@ -174,6 +174,30 @@ def test_measured_policy_times_every_bucket_and_keeps_greedy_output():
 
 @pytest.mark.gpu
 @needs_cuda
+def test_live_policy_serves_only_captured_steps_and_keeps_greedy_output():
+    """dscale_policy='live' with the target fallback: every step the live choice may pick in a bucket is captured
+    for every serving kind at start-up (no capture while serving), and greedy output equals target-only's."""
+    import dataclasses
+
+    from dscale_runtime.demo.prompts import stdlib_prompts
+
+    prompts = [p["prompt"] for p in stdlib_prompts()[:20]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
+    engine = demo_engine("dscale", True, dscale_policy="live", target_fallback=True)
+    runner = engine.runner
+    for n in range(1, runner.buckets[-1] + 1):
+        for mode in runner.live_modes(n):
+            for kind in engine._serving_kinds():
+                kind = dataclasses.replace(kind, mode=mode, draft_sampling=kind.draft_sampling and mode != "target")
+                assert (runner.bucket(n), kind) in runner.steps, (n, kind)
+    captured = len(runner.steps)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert len(runner.steps) == captured, "a step was captured while serving"
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_target_fallback_times_target_steps_and_keeps_greedy_output():
     """Speculative engines with graphs time every bucket's target-only step beside their own; with start-up
     times that make speculation lose at the live acceptance, their target-only steps (which feed the drafter's
