@@ -19,8 +19,6 @@ import random
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def patterns(requests: int, distinct: int, copies: int, seed: int) -> dict[str, list[str]]:
     from dscale_runtime.demo.prompts import stdlib_prompts
@@ -37,12 +35,11 @@ def patterns(requests: int, distinct: int, copies: int, seed: int) -> dict[str, 
 def run(prompts: list[str], caching: bool, args) -> dict:
     from dscale_runtime.config import EngineConfig, SamplingParams
     from dscale_runtime.engine import Engine
+    from dscale_runtime.server.config import DEMO_DRAFTER, DEMO_TARGET
 
-    demo = REPO / "artifacts" / "demo"
     config = EngineConfig(mode=args.mode, max_running_requests=args.concurrency, max_model_len=2048,
                           prefix_caching=caching, device=args.device)
-    engine = Engine.from_pretrained(demo / "target", demo / "drafter" if args.mode != "target" else None,
-                                    config=config)
+    engine = Engine.from_pretrained(DEMO_TARGET, DEMO_DRAFTER if args.mode != "target" else None, config=config)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)

@@ -149,7 +149,7 @@ class Scheduler:
         requests behind it go on (SGLang's in-batch prefix deprioritization)."""
         admitted = []
         caching = hasattr(self.allocator, "match")
-        pending = self._pending_keys() if caching else set()
+        pending: set[bytes] | None = None  # NOTE: built at the first request that needs it, not every step
         index = 0
         # NOTE: at most max_running waiting requests are passed over per call, so a long queue sharing one
         # prompt costs a bounded scan (and hashing) per step.
@@ -157,6 +157,8 @@ class Scheduler:
             request = self.waiting[index]
             matched = caching and not request.pages
             if matched:
+                if pending is None:
+                    pending = self._pending_keys()
                 if pending and self._waits(request, pending):
                     index += 1
                     continue
@@ -177,7 +179,7 @@ class Scheduler:
             request.slot = self._free_slots.pop()
             self.running.append(request)
             admitted.append(request)
-            if caching:
+            if pending is not None:
                 pending |= set(self._keys(request)[request.num_computed // self.allocator.page_size :])
         return admitted
 
