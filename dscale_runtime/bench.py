@@ -2,11 +2,16 @@
 
 c workers each send their next request as soon as the last one finished. For every mode and concurrency:
 warmup requests, then `repetitions` passes over the same fixed manifest of measured requests (demo prompts,
-fixed max_tokens; greedy unless --temperature > 0, request i seeded with --sampling-seed + i), each pass
-giving output-token throughput, E2E latency mean/p95/p99, TTFT, TPOT and the mean acceptance length (from the
-server's /metrics counters over the pass); the report keeps every pass, their medians and the sampling
-settings. `--launch` starts one dscale-serve per mode and stops it after its sweep; without it the benchmark
-measures the server at `--url`. Writes bench.json, bench.csv and bench.png to `--output`.
+fixed max_tokens; greedy unless --temperature > 0, request i seeded with --sampling-seed + i). A pass is sized
+to last long enough to measure: after the manifest's --num-requests the workers keep going (the seeded draw
+from the prompt set continued, cycling through it) until the pass has lasted --min-duration-s, never past
+--max-requests. Each pass gives its duration, requests completed, output-token and request throughput, TTFT /
+TPOT / E2E mean, median, p90, p95 (E2E, TTFT), p99 and the mean acceptance length (from the server's /metrics
+counters over the pass); each point gives the medians over its passes, their spread (min / median / max over
+the passes) and the percentiles over all its passes' requests pooled (with TTFT p99 / median). `--launch`
+starts one dscale-serve per mode and stops it after its sweep; without it the benchmark measures the server at
+`--url`. Writes bench.json, bench.csv, bench_requests.csv (one row per measured request) and bench.png to
+`--output`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -33,9 +39,23 @@ import numpy as np
 from dscale_runtime.config import MODES
 from dscale_runtime.server.flags import parse_config
 
+LATENCIES = ("ttft", "tpot", "e2e")
+PERCENTILES = {"median": 50, "p90": 90, "p99": 99}  # of every latency over requests, e.g. ttft_median, e2e_p99
+LATENCY_FIGURES = tuple(f"{name}_{q}" for name in LATENCIES for q in PERCENTILES) + ("ttft_p99_over_median",)
+# Per pass (their medians per point: the "median" of a point, the CSV's columns after the sampling settings);
+# the first ten are the original report's, the rest were added after them (issue 24: sizing and spread).
 METRICS = ("output_throughput", "e2e_mean", "e2e_p95", "e2e_p99", "ttft_mean", "ttft_p95", "tpot_mean",
-           "mean_acceptance_length", "completion_tokens", "duration")
+           "mean_acceptance_length", "completion_tokens", "duration",
+           "requests", "request_throughput", *(k for k in LATENCY_FIGURES if k != "e2e_p99"))
 SAMPLING = ("temperature", "top_p", "top_k", "sampling_seed")
+SIZING = ("min_duration_s", "max_requests")
+# Min / median / max over a point's passes ("spread"; CSV columns NAME_min and NAME_max after the medians).
+SPREAD = ("output_throughput", "request_throughput", "duration", "requests", "ttft_median", "ttft_p99",
+          "ttft_p99_over_median", "tpot_median", "e2e_median", "e2e_p99")
+# Over all the requests of a point's passes together ("pooled"; CSV columns pooled_NAME).
+POOLED = ("requests", *LATENCY_FIGURES)
+REQUEST_COLUMNS = ("mode", "concurrency", "pass", "index", "id", "seed", "start", "ttft", "tpot", "e2e",
+                   "completion_tokens")
 
 
 @dataclass(frozen=True)
@@ -55,7 +75,13 @@ class BenchConfig:
     warmup: int = 4
     """Requests sent at each point before measuring (not counted)."""
     repetitions: int = 3
-    """Passes over the manifest per point; the report gives each pass and the medians."""
+    """Passes over the manifest per point; the report gives each pass, the medians and their spread."""
+    min_duration_s: float = 5.0
+    """Seconds each measured pass lasts at least: past --num-requests the clients keep sending (the draw from the
+    prompt set continued) until this much time has passed since the pass's first request, up to --max-requests.
+    0 = exactly --num-requests per pass."""
+    max_requests: int | None = None
+    """Most requests one pass sends, the duration target notwithstanding (default: 100 x --num-requests)."""
     max_tokens: int = 64
     """max_tokens of every request."""
     temperature: float = 0.0
@@ -106,6 +132,10 @@ class BenchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not (math.isfinite(self.min_duration_s) and self.min_duration_s >= 0):
+            raise ValueError(f"--min-duration-s must be a finite number >= 0 (0 = off), got {self.min_duration_s}")
+        if self.max_requests is not None and self.max_requests < self.num_requests:
+            raise ValueError(f"--max-requests must be >= --num-requests ({self.num_requests}), got {self.max_requests}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -126,6 +156,16 @@ class BenchConfig:
         """The sampling settings every request carries, reported with every point (bench.json, bench.csv)."""
         return {k: getattr(self, k) for k in SAMPLING}
 
+    @property
+    def request_cap(self) -> int:
+        """Most requests one measured pass sends (--max-requests or its default)."""
+        return self.max_requests if self.max_requests is not None else 100 * self.num_requests
+
+    @property
+    def sizing(self) -> dict:
+        """How every pass is sized, reported with every point: the duration target and the request cap."""
+        return {"min_duration_s": self.min_duration_s, "max_requests": self.request_cap}
+
 
 # ---------------------------------------------------------------------------------------------- manifest
 def load_prompts(name: str) -> list[dict]:
@@ -139,25 +179,41 @@ def load_prompts(name: str) -> list[dict]:
     return prompts.load_prompt_file(name)
 
 
-def manifest(config: BenchConfig) -> tuple[list[dict], list[dict]]:
-    """(warmup requests, measured requests): a seeded draw from the prompt set, cycled when it is short. Measured
-    request i carries seed sampling_seed + i (warmup j: + num_requests + j), the same in every pass and point."""
+def _draw(config: BenchConfig) -> Callable[[int], dict]:
+    """Request i of the seeded draw from the prompt set (cycled when it is short), with seed sampling_seed + i."""
     pool = load_prompts(config.prompts)
     order = list(range(len(pool)))
     random.Random(config.seed).shuffle(order)
-    total = config.num_requests + config.warmup
-    chosen = [pool[order[i % len(order)]] for i in range(total)]
-    requests = [{"id": p["id"], "prompt": p["prompt"], "max_tokens": config.max_tokens,
-                 "temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
-                 "seed": config.sampling_seed + i} for i, p in enumerate(chosen)]
-    return requests[config.num_requests :], requests[: config.num_requests]
+
+    def request(i: int) -> dict:
+        p = pool[order[i % len(order)]]
+        return {"id": p["id"], "prompt": p["prompt"], "max_tokens": config.max_tokens,
+                "temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                "seed": config.sampling_seed + i}
+
+    return request
+
+
+def manifest(config: BenchConfig) -> tuple[list[dict], list[dict]]:
+    """(warmup requests, measured requests): a seeded draw from the prompt set, cycled when it is short. Measured
+    request i carries seed sampling_seed + i (warmup j: + num_requests + j), the same in every pass and point."""
+    request = _draw(config)
+    return ([request(config.num_requests + j) for j in range(config.warmup)],
+            [request(i) for i in range(config.num_requests)])
+
+
+def request_stream(config: BenchConfig) -> Callable[[int], dict]:
+    """Request k of a measured pass: the manifest's for k < num_requests, then (a pass held to --min-duration-s)
+    the draw continued past the warmup requests, seed sampling_seed + warmup + k. The same in every pass."""
+    request = _draw(config)
+    return lambda k: request(k if k < config.num_requests else k + config.warmup)
 
 
 # ---------------------------------------------------------------------------------------------- one pass
-async def _send(http: httpx.AsyncClient, model: str, request: dict) -> dict:
+async def _send(http: httpx.AsyncClient, model: str, request: dict, start: float | None = None) -> dict:
     body = {"model": model, "prompt": request["prompt"], "stream": True, "stream_options": {"include_usage": True},
             **{k: request[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")}}
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
     first, tokens = None, None
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -179,14 +235,34 @@ async def _send(http: httpx.AsyncClient, model: str, request: dict) -> dict:
     return {"start": start, "first": first if first is not None else end, "end": end, "tokens": tokens}
 
 
-async def closed_loop(url: str, model: str, requests: list[dict], concurrency: int, timeout: float) -> list[dict]:
-    """Send `requests` with `concurrency` workers, each starting its next request when its last one ends."""
-    queue = list(reversed(requests))
+async def closed_loop(url: str, model: str, requests: list[dict], concurrency: int, timeout: float,
+                      min_duration_s: float = 0.0, max_requests: int | None = None,
+                      more: Callable[[int], dict] | None = None) -> list[dict]:
+    """Send `requests` with `concurrency` workers, each starting its next request when its last one ends. With
+    min_duration_s > 0 the workers go on past them with request k = more(k) (default: requests cycled) until the
+    pass has lasted min_duration_s from its first request's start: a worker whose last request ended before that
+    sends another, so the last request ends at or after it. `max_requests` (>= len(requests)) bounds the pass.
+    Every record carries its request's index k in the pass, its id and its seed."""
+    n = len(requests)
+    cap = max(n, max_requests) if max_requests is not None else math.inf
+    more = more or (lambda k: requests[k % n])
     records: list[dict] = []
+    issued, first_start = 0, None
 
     async def worker(http: httpx.AsyncClient) -> None:
-        while queue:
-            records.append(await _send(http, model, queue.pop()))
+        nonlocal issued, first_start
+        last_end = None
+        while True:  # the check and the claim of index k have no await between them: one worker claims each k
+            now = time.perf_counter()
+            first_start = now if first_start is None else first_start
+            clock = now if last_end is None else last_end
+            if issued >= n and (issued >= cap or clock - first_start >= min_duration_s):
+                return
+            k, issued = issued, issued + 1
+            request = requests[k] if k < n else more(k)
+            record = await _send(http, model, request, start=now)
+            last_end = record["end"]
+            records.append({**record, "index": k, "id": request["id"], "seed": request.get("seed")})
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
@@ -203,6 +279,27 @@ def read_counters(url: str) -> dict[str, float]:
     return counters
 
 
+def request_latencies(record: dict) -> dict:
+    """TTFT, TPOT (nan for a one-token answer) and E2E of one request record, in seconds."""
+    tokens = record["tokens"]
+    return {"ttft": record["first"] - record["start"], "e2e": record["end"] - record["start"],
+            "tpot": (record["end"] - record["first"]) / (tokens - 1) if tokens > 1 else float("nan")}
+
+
+def latency_figures(records: list[dict]) -> dict:
+    """Request count, TTFT / TPOT / E2E median, p90 and p99 (numpy's linear percentiles over the requests; TPOT
+    over those with more than one token) and TTFT p99 / median of a set of request records."""
+    figures: dict = {"requests": len(records)}
+    latencies = [request_latencies(r) for r in records]
+    for name in LATENCIES:
+        values = [x[name] for x in latencies if not math.isnan(x[name])]
+        for q, pct in PERCENTILES.items():
+            figures[f"{name}_{q}"] = float(np.percentile(values, pct)) if values else float("nan")
+    median = figures["ttft_median"]
+    figures["ttft_p99_over_median"] = figures["ttft_p99"] / median if median > 0 else float("nan")
+    return figures
+
+
 def summarise(records: list[dict], before: dict[str, float], after: dict[str, float]) -> dict:
     """One pass's figures from its request records and the server counters around it."""
     e2e = np.array([r["end"] - r["start"] for r in records])
@@ -212,7 +309,7 @@ def summarise(records: list[dict], before: dict[str, float], after: dict[str, fl
     duration = max(r["end"] for r in records) - min(r["start"] for r in records)
     steps = after["dscale_request_steps_total"] - before["dscale_request_steps_total"]
     accepted = after["dscale_accepted_drafts_total"] - before["dscale_accepted_drafts_total"]
-    return {
+    figures = {
         "output_throughput": tokens / duration,
         "e2e_mean": float(e2e.mean()), "e2e_p95": float(np.percentile(e2e, 95)),
         "e2e_p99": float(np.percentile(e2e, 99)),
@@ -220,20 +317,49 @@ def summarise(records: list[dict], before: dict[str, float], after: dict[str, fl
         "tpot_mean": float(np.mean(tpot)) if tpot else float("nan"),
         "mean_acceptance_length": 1.0 + accepted / steps if steps else float("nan"),
         "completion_tokens": tokens, "duration": duration,
+        "request_throughput": len(records) / duration,
     }
+    figures.update(latency_figures(records))
+    return {k: figures[k] for k in METRICS}
+
+
+def spread(passes: list[dict]) -> dict:
+    """Min / median / max over the passes of each figure in SPREAD (nan passes left out; all nan: nan)."""
+    out = {}
+    for k in SPREAD:
+        values = [p[k] for p in passes if not math.isnan(p[k])]
+        out[k] = ({"min": min(values), "median": statistics.median(values), "max": max(values)} if values
+                  else dict.fromkeys(("min", "median", "max"), float("nan")))
+    return out
+
+
+def point_figures(passes: list[dict], records: list[list[dict]]) -> dict:
+    """A point's report from its passes' figures and request records: the passes, their medians, their spread
+    and the latency percentiles over all the point's requests pooled."""
+    return {"passes": passes, "median": {k: statistics.median(p[k] for p in passes) for k in METRICS},
+            "spread": spread(passes), "pooled": latency_figures([r for pass_records in records for r in pass_records])}
 
 
 def measure_point(config: BenchConfig, url: str, model: str, concurrency: int, warmup: list[dict],
-                  measured: list[dict]) -> dict:
+                  measured: list[dict], more: Callable[[int], dict] | None = None) -> dict:
+    """Warmup, then config.repetitions passes (each sized by --min-duration-s / --max-requests; past `measured`
+    a pass sends more(k), default: request_stream(config)). The point's "records" (one list of request records
+    per pass) are for bench_requests.csv; run() takes them out of the report."""
     if warmup:
         asyncio.run(closed_loop(url, model, warmup, concurrency, config.timeout))
-    passes = []
-    for _ in range(config.repetitions):
+    more = more or request_stream(config)
+    passes, records = [], []
+    for i in range(config.repetitions):
         before = read_counters(url)
-        records = asyncio.run(closed_loop(url, model, measured, concurrency, config.timeout))
-        passes.append(summarise(records, before, read_counters(url)))
-    median = {k: statistics.median(p[k] for p in passes) for k in METRICS}
-    return {"concurrency": concurrency, "passes": passes, "median": median}
+        pass_records = asyncio.run(closed_loop(url, model, measured, concurrency, config.timeout,
+                                               config.min_duration_s, config.request_cap, more))
+        passes.append(summarise(pass_records, before, read_counters(url)))
+        records.append(sorted(pass_records, key=lambda r: r["index"]))
+        short = passes[-1]["duration"] < config.min_duration_s
+        print(f"[dscale-bench]   pass {i + 1}: {passes[-1]['requests']} requests in {passes[-1]['duration']:.2f} s"
+              f"{f' (stopped at --max-requests {config.request_cap}, short of the --min-duration-s target)' if short else ''}",
+              flush=True)
+    return {"concurrency": concurrency, **point_figures(passes, records), "records": records}
 
 
 # ---------------------------------------------------------------------------------------------- servers
@@ -301,6 +427,34 @@ def sampling_caption(sampling: dict) -> str:
             f"seed {sampling['sampling_seed']} + request index")
 
 
+def sizing_caption(sizing: dict) -> str:
+    """One line naming how the passes were sized, e.g. 'each pass >= 5.0 s, at most 3200 requests'."""
+    if not sizing["min_duration_s"]:
+        return "each pass exactly --num-requests (no duration target)"
+    return f"each pass >= {sizing['min_duration_s']} s, at most {sizing['max_requests']} requests"
+
+
+def spread_table(points: list[dict]) -> list[str]:
+    """Rows of the second table: how long the passes lasted, how many requests they completed, the throughput's
+    min / median / max over the passes and the latency percentiles over the point's requests pooled."""
+    rows = [f"Spread: {sizing_caption(points[0])}; min / median / max over the passes; latencies over all the "
+            "passes' requests", "",
+            "| mode | c | pass s (min-max) | requests / pass | tok/s min / med / max | TTFT p50 / p90 / p99 (s) "
+            "| TTFT p99/p50 | TPOT p50 / p90 / p99 (ms) | E2E p50 / p90 / p99 (s) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in points:
+        s, a = p["spread"], p["pooled"]
+        tp, dur, req = s["output_throughput"], s["duration"], s["requests"]
+        rows.append(
+            f"| {p['mode']} | {p['concurrency']} | {dur['min']:.1f}-{dur['max']:.1f} | "
+            f"{req['median']:.0f} ({req['min']:.0f}-{req['max']:.0f}) | "
+            f"{tp['min']:.1f} / {tp['median']:.1f} / {tp['max']:.1f} | "
+            f"{a['ttft_median']:.3f} / {a['ttft_p90']:.3f} / {a['ttft_p99']:.3f} | {a['ttft_p99_over_median']:.2f} | "
+            f"{1000 * a['tpot_median']:.1f} / {1000 * a['tpot_p90']:.1f} / {1000 * a['tpot_p99']:.1f} | "
+            f"{a['e2e_median']:.2f} / {a['e2e_p90']:.2f} / {a['e2e_p99']:.2f} |")
+    return rows
+
+
 def table(points: list[dict]) -> str:
     rows = [f"Sampling: {sampling_caption(points[0])}", "",
             "| mode | c | tok/s | E2E mean (s) | E2E p95 (s) | E2E p99 (s) | TTFT mean (s) | TPOT (ms) | accept len |",
@@ -315,16 +469,40 @@ def table(points: list[dict]) -> str:
               if mode == "dflash" and ("dscale", c) in by_key]
     if ratios:
         rows.append("\nDScale / DFlash throughput: " + ", ".join(ratios))
+    if all("spread" in p for p in points):
+        rows += ["", *spread_table(points)]
     return "\n".join(rows)
 
 
 def write_csv(points: list[dict], path: Path) -> None:
+    """One row per point: the original columns (medians over the passes), then the sizing, the spread
+    (NAME_min, NAME_max) and the pooled percentiles (pooled_NAME)."""
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["mode", "concurrency", "repetitions", *SAMPLING, *METRICS])
+        writer.writerow(["mode", "concurrency", "repetitions", *SAMPLING, *METRICS, *SIZING,
+                         *(f"{k}_{end}" for k in SPREAD for end in ("min", "max")), *(f"pooled_{k}" for k in POOLED)])
         for p in points:
             writer.writerow([p["mode"], p["concurrency"], len(p["passes"]), *(p[k] for k in SAMPLING),
-                             *(p["median"][k] for k in METRICS)])
+                             *(p["median"][k] for k in METRICS), *(p[k] for k in SIZING),
+                             *(p["spread"][k][end] for k in SPREAD for end in ("min", "max")),
+                             *(p["pooled"][k] for k in POOLED)])
+
+
+def write_requests_csv(points: list[dict], records: list[list[list[dict]]], path: Path) -> None:
+    """One row per measured request: its point, pass (from 1), index in the pass, id, seed, start (s after the
+    pass's first request started), TTFT, TPOT (empty for one token), E2E (s) and completion tokens."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(REQUEST_COLUMNS)
+        for point, point_records in zip(points, records):
+            for i, pass_records in enumerate(point_records):
+                t0 = min(r["start"] for r in pass_records)
+                for r in pass_records:
+                    lat = request_latencies(r)
+                    writer.writerow([point["mode"], point["concurrency"], i + 1, r["index"], r["id"], r["seed"],
+                                     repr(r["start"] - t0), repr(lat["ttft"]),
+                                     "" if math.isnan(lat["tpot"]) else repr(lat["tpot"]), repr(lat["e2e"]),
+                                     r["tokens"]])
 
 
 def plot(points: list[dict], path: Path, title: str) -> None:
@@ -361,14 +539,19 @@ def run(config: BenchConfig, command: str | None = None) -> dict:
     out = Path(config.output)
     out.mkdir(parents=True, exist_ok=True)
     warmup, measured = manifest(config)
+    more = request_stream(config)
     points: list[dict] = []
+    records: list[list[list[dict]]] = []  # per point, per pass: the request records (bench_requests.csv)
+    sized = (f" and >= {config.min_duration_s} s (at most {config.request_cap})" if config.min_duration_s else "")
 
     def sweep(url: str, mode: str) -> None:
         model, _ = server_identity(url)
         for c in config.concurrency_list:
             print(f"[dscale-bench] {mode} c={c}: {config.warmup} warmup + {config.repetitions} x "
-                  f"{len(measured)} requests", flush=True)
-            points.append({"mode": mode, **config.sampling, **measure_point(config, url, model, c, warmup, measured)})
+                  f"{len(measured)} requests{sized}", flush=True)
+            point = measure_point(config, url, model, c, warmup, measured, more)
+            records.append(point.pop("records"))
+            points.append({"mode": mode, **config.sampling, **config.sizing, **point})
 
     if config.launch:
         for mode in config.mode_list:
@@ -376,20 +559,25 @@ def run(config: BenchConfig, command: str | None = None) -> dict:
                 sweep(server.url, mode)
     else:
         sweep(config.url, server_identity(config.url)[1])
+    longest = max(len(pass_records) for point in records for pass_records in point)  # requests k < longest sent
     report = {
         "command": command,
         "config": dataclasses.asdict(config),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version()},
-        "manifest": {"warmup": [r["id"] for r in warmup], "measured": [r["id"] for r in measured]},
+        "manifest": {"warmup": [r["id"] for r in warmup], "measured": [r["id"] for r in measured],
+                     "extra": [more(k)["id"] for k in range(len(measured), longest)]},
+        "sizing": config.sizing,
         "points": points,
     }
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     write_csv(points, out / "bench.csv")
+    write_requests_csv(points, records, out / "bench_requests.csv")
     png = Path(config.plot) if config.plot else out / "bench.png"
     png.parent.mkdir(parents=True, exist_ok=True)
-    plot(points, png, f"dscale-bench: {config.num_requests} requests x {config.max_tokens} tokens, "
-                      f"median of {config.repetitions} ({config.device})\n{sampling_caption(config.sampling)}")
+    requests = f"{config.num_requests}{'+' if config.min_duration_s else ''} requests"
+    plot(points, png, f"dscale-bench: {requests} x {config.max_tokens} tokens, median of {config.repetitions} "
+                      f"({config.device}; {sizing_caption(config.sizing)})\n{sampling_caption(config.sampling)}")
     return report
 
 
@@ -400,7 +588,8 @@ def main(argv: list[str] | None = None) -> None:
     except (RuntimeError, ValueError, httpx.HTTPError) as exc:
         sys.exit(f"dscale-bench: {exc}")
     print(table(report["points"]))
-    print(f"\nwrote {config.output}/bench.json, {config.output}/bench.csv, {config.plot or config.output + '/bench.png'}")
+    print(f"\nwrote {config.output}/bench.json, {config.output}/bench.csv, {config.output}/bench_requests.csv, "
+          f"{config.plot or config.output + '/bench.png'}")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,28 @@
 """dscale-bench: configuration checks, the fixed manifest, the figures of a pass, a sweep against a server in
-this process and a `--launch` sweep through the command line (tiny checkpoints, so it runs in seconds)."""
+this process and a `--launch` sweep through the command line (tiny checkpoints, so it runs in seconds); a pass
+held to a duration target (closed loop with a stand-in request, and against the server) and the spread figures
+checked against the raw per-request data."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
+import http.server
 import json
+import math
+import statistics
 import subprocess
 import sys
+import threading
+import time
 
+import numpy as np
 import pytest
 
 from checkpoints import write_drafter, write_target
-from dscale_runtime.bench import BenchConfig, manifest, run, summarise, table
+from dscale_runtime import bench as bench_module
+from dscale_runtime.bench import (BenchConfig, closed_loop, manifest, point_figures, request_stream, run, summarise,
+                                  table)
 from dscale_runtime.server.flags import parse_config
 from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.engine import Engine
@@ -107,7 +118,7 @@ def test_sweep_against_a_running_server(tiny, tmp_path):
     cfg = EngineConfig(mode="dflash", max_running_requests=2, max_model_len=128)
     engine = Engine.from_pretrained(root / "target", root / "drafter", config=cfg)
     bench = BenchConfig(prompts=str(prompt_file), concurrency="1,2", num_requests=5, warmup=1, repetitions=2,
-                        max_tokens=9, output=str(tmp_path / "out"), url="placeholder")
+                        max_tokens=9, output=str(tmp_path / "out"), url="placeholder", min_duration_s=0)
     reference = Engine.from_pretrained(root / "target", config=EngineConfig(mode="target", max_model_len=128))
     want = reference.generate([r["prompt"] for r in manifest(bench)[1]], SamplingParams(temperature=0, max_tokens=9))
     with BackgroundServer(engine, ServeConfig(port=0)) as server:
@@ -125,7 +136,9 @@ def test_sweep_against_a_running_server(tiny, tmp_path):
     rows = list(csv.DictReader((out / "bench.csv").open()))
     assert [(r["mode"], r["concurrency"]) for r in rows] == [("dflash", "1"), ("dflash", "2")]
     assert (out / "bench.png").stat().st_size > 10_000
-    assert table(points).count("| dflash |") == 2
+    main_table, spread_table = table(points).split("\nSpread: ")
+    assert main_table.count("| dflash |") == 2 and spread_table.count("| dflash |") == 2
+    assert spread_table.startswith("each pass exactly --num-requests (no duration target)")
     assert table(points).startswith("Sampling: temperature 0.0 (greedy), top_p 1.0, top_k -1 (off), seed 0")
     assert {(r["temperature"], r["top_p"], r["top_k"], r["sampling_seed"]) for r in rows} == {("0.0", "1.0", "-1", "0")}
 
@@ -146,7 +159,7 @@ def test_sampled_sweep_sends_and_reports_the_settings(tiny, tmp_path):
     out = tmp_path / "sampled"
     bench = BenchConfig(prompts=str(prompt_file), concurrency="1,2", num_requests=4, warmup=1, repetitions=2,
                         max_tokens=6, temperature=0.8, top_p=0.9, top_k=5, sampling_seed=100, output=str(out),
-                        url="placeholder")
+                        url="placeholder", min_duration_s=0)
     warmup, measured = manifest(bench)
     seed_of = {tuple(engine.tokenizer.encode(r["prompt"], add_special_tokens=False)): r["seed"]
                for r in warmup + measured}
@@ -178,7 +191,8 @@ def test_launch_sweep_from_the_command_line(tiny, tmp_path):
     command = [sys.executable, "-m", "dscale_runtime.bench", "--launch", "--modes", "target,dflash",
                "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--concurrency", "1,2",
                "--num-requests", "3", "--warmup", "0", "--repetitions", "1", "--max-tokens", "6",
-               "--prompts", str(prompt_file), "--output", str(out), "--temperature", "0.5", "--top-k", "4"]
+               "--prompts", str(prompt_file), "--output", str(out), "--temperature", "0.5", "--top-k", "4",
+               "--min-duration-s", "0"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr + done.stdout
     assert "| target | 2 |" in done.stdout and "| dflash | 1 |" in done.stdout
@@ -188,3 +202,214 @@ def test_launch_sweep_from_the_command_line(tiny, tmp_path):
     assert {p["mode"] for p in report["points"]} == {"target", "dflash"}
     assert {(p["temperature"], p["top_k"]) for p in report["points"]} == {(0.5, 4)}
     assert (out / "server-dflash.log").is_file() and (out / "bench.png").is_file()
+
+
+# ---------------------------------------------------------------------------------------------- sizing, spread
+def test_sizing_flags_parse_and_are_checked(capsys):
+    default = parse_config(BenchConfig, "dscale-bench", ["--launch", "--num-requests", "8"])
+    assert (default.min_duration_s, default.max_requests, default.request_cap) == (5.0, None, 800)
+    assert default.sizing == {"min_duration_s": 5.0, "max_requests": 800}
+    cfg = parse_config(BenchConfig, "dscale-bench", ["--launch", "--min-duration-s", "0.5", "--max-requests", "40"])
+    assert cfg.sizing == {"min_duration_s": 0.5, "max_requests": 40}
+    for argv, message in ((["--min-duration-s", "-1"], "--min-duration-s must"),
+                          (["--min-duration-s", "inf"], "--min-duration-s must"),
+                          (["--num-requests", "8", "--max-requests", "7"], "--max-requests must be >= --num-requests")):
+        with pytest.raises(SystemExit):
+            parse_config(BenchConfig, "dscale-bench", ["--launch", *argv])
+        assert message in capsys.readouterr().err
+
+
+def test_request_stream_is_the_manifest_then_the_draw_continued(tiny):
+    _, prompt_file = tiny
+    cfg = BenchConfig(launch=True, prompts=str(prompt_file), num_requests=4, warmup=2, sampling_seed=10)
+    warmup, measured = manifest(cfg)
+    stream = request_stream(cfg)
+    assert [stream(k) for k in range(4)] == measured
+    extra = [stream(k) for k in range(4, 4 + 2 * len(PROMPTS))]
+    assert [r["seed"] for r in extra] == list(range(16, 16 + 2 * len(PROMPTS)))  # past the warmup's 14, 15
+    assert len({r["seed"] for r in warmup + measured + extra}) == 6 + 2 * len(PROMPTS)
+    ids = [r["id"] for r in measured + warmup + extra]
+    assert ids[len(PROMPTS):] == ids[: -len(PROMPTS)]  # the draw cycles through the whole prompt set
+    assert [stream(k) for k in range(4, 10)] == extra[:6]  # the same in every pass
+
+
+def fake_send(latency: float):
+    """A stand-in for the HTTP request: `latency` s, first token halfway, 3 tokens."""
+    async def send(http, model, request, start=None):
+        start = time.perf_counter() if start is None else start
+        await asyncio.sleep(latency)
+        end = time.perf_counter()
+        return {"start": start, "first": (start + end) / 2, "end": end, "tokens": 3}
+    return send
+
+
+def test_closed_loop_runs_until_the_duration_target(monkeypatch):
+    monkeypatch.setattr(bench_module, "_send", fake_send(0.01))
+    requests = [{"id": f"m{i}", "seed": i} for i in range(3)]
+    more = lambda k: {"id": f"x{k}", "seed": 100 + k}
+
+    def loop(**kwargs):
+        return asyncio.run(closed_loop("http://unused", "m", requests, 2, 5.0, **kwargs))
+
+    exact = loop()  # no target: exactly the requests, as before
+    assert sorted(r["id"] for r in exact) == ["m0", "m1", "m2"]
+    assert len(loop(min_duration_s=0, max_requests=50, more=more)) == 3
+
+    held = loop(min_duration_s=0.25, max_requests=1000, more=more)
+    duration = max(r["end"] for r in held) - min(r["start"] for r in held)
+    assert 0.25 <= duration < 5 and len(held) > 6  # ~0.25 s / 0.01 s x 2 clients = 50 on an idle machine
+    by_index = sorted(held, key=lambda r: r["index"])
+    assert [r["index"] for r in by_index] == list(range(len(held)))  # each index sent once, none skipped
+    assert [r["id"] for r in by_index] == ["m0", "m1", "m2", *(f"x{k}" for k in range(3, len(held)))]
+    assert [r["seed"] for r in by_index[3:]] == [100 + k for k in range(3, len(held))]
+
+    capped = loop(min_duration_s=60, max_requests=7, more=more)  # the cap stops it long before the target
+    assert len(capped) == 7 and {r["index"] for r in capped} == set(range(7))
+    cycled = loop(min_duration_s=0.3)  # no `more`: the requests cycled
+    assert len(cycled) >= 6 and [r["id"] for r in sorted(cycled, key=lambda r: r["index"])][3:6] == ["m0", "m1", "m2"]
+
+
+def test_point_spread_and_pooled_figures_follow_the_requests():
+    def records(ttfts, e2e_scale):
+        return [{"start": float(i), "first": float(i) + t, "end": float(i) + e2e_scale * (1 + i % 3), "tokens": 1 + i % 4}
+                for i, t in enumerate(ttfts)]
+
+    counters = {"dscale_request_steps_total": 1, "dscale_accepted_drafts_total": 0}
+    rng = np.random.default_rng(0)
+    passes_records = [records(rng.uniform(0.01, 0.2, size=n), scale) for n, scale in ((30, 1.0), (45, 1.5), (20, 0.8))]
+    passes = [summarise(r, counters, counters) for r in passes_records]
+    point = point_figures(passes, passes_records)
+    assert point["passes"] == passes
+    for p, rs in zip(passes, passes_records):
+        ttft = [r["first"] - r["start"] for r in rs]
+        assert p["requests"] == len(rs) and p["request_throughput"] == pytest.approx(len(rs) / p["duration"])
+        assert p["ttft_median"] == pytest.approx(np.median(ttft)) and p["ttft_p90"] == pytest.approx(np.percentile(ttft, 90))
+        assert p["ttft_p99_over_median"] == pytest.approx(np.percentile(ttft, 99) / np.median(ttft))
+        tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in rs if r["tokens"] > 1]
+        assert p["tpot_p99"] == pytest.approx(np.percentile(tpot, 99)) and p["tpot_median"] < p["tpot_p90"]
+    for k in ("output_throughput", "duration", "requests", "ttft_p99", "ttft_p99_over_median", "e2e_median"):
+        values = [p[k] for p in passes]
+        assert point["spread"][k] == {"min": min(values), "median": sorted(values)[1], "max": max(values)}
+        assert point["median"][k] == sorted(values)[1]
+    everything = [r for rs in passes_records for r in rs]
+    ttft = [r["first"] - r["start"] for r in everything]
+    e2e = [r["end"] - r["start"] for r in everything]
+    assert point["pooled"]["requests"] == 95
+    assert point["pooled"]["ttft_p99"] == pytest.approx(np.percentile(ttft, 99))
+    assert point["pooled"]["e2e_p90"] == pytest.approx(np.percentile(e2e, 90))
+    assert point["pooled"]["ttft_p99_over_median"] == pytest.approx(np.percentile(ttft, 99) / np.median(ttft))
+    single = summarise([{"start": 0.0, "first": 0.1, "end": 0.1, "tokens": 1}], counters, counters)
+    assert math.isnan(single["tpot_median"]) and math.isnan(point_figures([single], [[]])["spread"]["tpot_median"]["min"])
+
+
+class FakeServer:
+    """A fast stand-in for dscale-serve (threaded http.server): /v1/models, /metrics counters and streamed
+    /v1/completions answering max_tokens one-character chunks after `latency` s; it keeps every request body."""
+
+    def __init__(self, latency: float = 0.005) -> None:
+        self.bodies: list[dict] = []
+        self.steps = 0
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status: int, content_type: str, payload: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self.reply(200, "application/json", json.dumps({"data": [{"id": "fake", "mode": "fake"}]}).encode())
+                else:  # /metrics: 2 steps and 3 accepted drafts per request, so the acceptance length is 2.5
+                    text = f"dscale_request_steps_total {fake.steps}\ndscale_accepted_drafts_total {1.5 * fake.steps}\n"
+                    self.reply(200, "text/plain", text.encode())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
+                time.sleep(latency)
+                chunks = [{"choices": [{"text": "x"}]} for _ in range(body["max_tokens"])]
+                chunks.append({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+                fake.steps += 2
+                self.reply(200, "text/event-stream",
+                           "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n")
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> "FakeServer":
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_duration_target_against_a_fast_server(tiny, tmp_path, capsys):
+    """A duration target longer than the manifest takes: every pass runs more requests (the draw continued) and
+    lasts the target; bench.json, bench.csv, bench_requests.csv and the table agree with the raw per-request data.
+    A cap below what the target needs stops every pass at the cap and says so."""
+    _, prompt_file = tiny
+    out = tmp_path / "held"
+    bench = BenchConfig(prompts=str(prompt_file), concurrency="1,3", num_requests=3, warmup=1, repetitions=2,
+                        max_tokens=4, output=str(out), url="placeholder", min_duration_s=0.3, max_requests=5000)
+    with FakeServer() as server:
+        report = run(BenchConfig(**{**bench.__dict__, "url": server.url}))
+    sent = server.bodies
+    assert [p["concurrency"] for p in report["points"]] == [1, 3] and report["sizing"] == bench.sizing
+    assert len(sent) == 2 * 1 + sum(p["requests"] for point in report["points"] for p in point["passes"])
+    stream = request_stream(bench)
+    rows = list(csv.DictReader((out / "bench_requests.csv").open()))
+    assert len(rows) == sum(point["pooled"]["requests"] for point in report["points"])
+    for point in report["points"]:
+        assert (point["min_duration_s"], point["max_requests"]) == (0.3, 5000)
+        for i, p in enumerate(point["passes"]):
+            assert p["duration"] >= 0.3 and 3 < p["requests"] < 5000
+            assert p["completion_tokens"] == 4 * p["requests"] and p["mean_acceptance_length"] == pytest.approx(2.5)
+            own = [r for r in rows if (r["concurrency"], r["pass"]) == (str(point["concurrency"]), str(i + 1))]
+            assert [int(r["index"]) for r in own] == list(range(p["requests"]))
+            assert [(r["id"], int(r["seed"])) for r in own] == [(stream(k)["id"], stream(k)["seed"]) for k in range(len(own))]
+            ttft = [float(r["ttft"]) for r in own]
+            assert p["ttft_p99"] == pytest.approx(np.percentile(ttft, 99))
+            assert p["ttft_median"] == pytest.approx(np.median(ttft))
+            assert max(float(r["start"]) + float(r["e2e"]) for r in own) == pytest.approx(p["duration"])
+        for k in ("duration", "requests", "output_throughput"):
+            values = [p[k] for p in point["passes"]]
+            assert point["spread"][k] == {"min": min(values), "median": statistics.median(values), "max": max(values)}
+        pooled = [float(r["ttft"]) for r in rows if r["concurrency"] == str(point["concurrency"])]
+        assert point["pooled"]["ttft_p99"] == pytest.approx(np.percentile(pooled, 99))
+        assert point["pooled"]["ttft_p99_over_median"] == pytest.approx(np.percentile(pooled, 99) / np.median(pooled))
+    # measured 0-2, warmup 3, then request k >= 3 continues the draw past the warmup: seed k + 1
+    longest = max(p["requests"] for point in report["points"] for p in point["passes"])
+    assert {body["seed"] for body in sent} == set(range(longest + 1))
+    assert report["manifest"]["extra"] == [stream(k)["id"] for k in range(3, longest)]
+
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    for row, point in zip(rows, report["points"]):
+        tp = [p["output_throughput"] for p in point["passes"]]
+        assert float(row["output_throughput_min"]) == pytest.approx(min(tp))
+        assert float(row["output_throughput_max"]) == pytest.approx(max(tp))
+        assert float(row["pooled_ttft_p99"]) == pytest.approx(point["pooled"]["ttft_p99"])
+        assert float(row["requests"]) == point["median"]["requests"]
+        assert (row["min_duration_s"], row["max_requests"], row["repetitions"]) == ("0.3", "5000", "2")
+    saved = json.loads((out / "bench.json").read_text())["points"]
+    assert [p["spread"] for p in saved] == [p["spread"] for p in report["points"]]
+    assert all("records" not in p for p in saved)
+    text = table(report["points"])
+    assert "Spread: each pass >= 0.3 s, at most 5000 requests" in text
+    assert f"| {report['points'][1]['pooled']['ttft_p99_over_median']:.2f} |" in text
+
+    capsys.readouterr()
+    capped = BenchConfig(**{**bench.__dict__, "concurrency": "2", "min_duration_s": 60.0, "max_requests": 5,
+                            "output": str(tmp_path / "capped")})
+    with FakeServer() as server:
+        report = run(BenchConfig(**{**capped.__dict__, "url": server.url}))
+    assert [p["requests"] for p in report["points"][0]["passes"]] == [5, 5]
+    assert capsys.readouterr().out.count("stopped at --max-requests 5, short of the --min-duration-s target") == 2
