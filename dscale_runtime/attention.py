@@ -33,6 +33,7 @@ class AttentionMetadata:
     # Optional per-request query bounds for kernels; derived on the device from `row_req` when left None.
     query_starts: torch.Tensor | None = None  # [N] int64, first packed row of each request
     query_lens: torch.Tensor | None = None  # [N] int64, rows of each request
+    kv_splits: int = 1  # split the keys of each request over up to this many programs (Triton path; static)
 
     @property
     def num_requests(self) -> int:

@@ -200,6 +200,95 @@ def test_interpreter_half_precision(interpreter, dtype):
     check_against_ref(CASE["packed"], dtype, "cpu", atol=2e-2 if dtype == torch.bfloat16 else 3e-3)
 
 
+# Split-KV: contexts of a few hundred keys, MIN_KEYS_PER_SPLIT patched down to 64 so that they really split
+# (fp32 key blocks of 16: 300 keys in 4 chunks of 80; bf16 blocks of 64: chunks of 128, the 4th split empty),
+# beside requests under 64 keys (one split: written directly, no combine) and empty request slots.
+SPLIT_MIN_KEYS = 64
+SPLIT_CASES = [
+    # GQA 4 with 4 stacked heads per 16-row program; an empty slot (0 rows, 0 keys) and one-row decodes.
+    Case("split-verify-gqa4", (3, 16, 1, 0, 9), (300, 50, 17, 0, 230), heads=(8, 2, 16)),
+    # Causal prefill chunks: 40 rows after 260 keys, and 70 rows from position 0 (128-row tile: rows 0..63
+    # see no key of the later splits; the tile's early rows get l = 0 partials of weight 0).
+    Case("split-prefill-chunk", (40, 70, 0), (260, 0, 0), heads=(4, 2, 16)),
+    Case("split-block", (16, 5), (290, 3), heads=(4, 2, 16), causal=False),  # the DFlash drafter block
+    # DScale flat pack: an inactive request and placeholder rows in the last (pseudo) request.
+    Case("split-packed", (5, 0, 16, 9), (300, 12, 280, 40), heads=(8, 2, 16), packed_rows=33),
+    Case("split-no-keys-page8", (3, 16), (0, 200), heads=(4, 1, 16), no_keys=(0,), page_size=8),
+]
+CASE_SPLIT = {c.name: c for c in SPLIT_CASES}
+
+
+def _with_splits(monkeypatch, kv_splits: int, min_keys: int = SPLIT_MIN_KEYS):
+    """paged_attention with meta.kv_splits set (MIN_KEYS_PER_SPLIT patched) for check_against_ref."""
+    from dscale_runtime.kernels import triton_attention
+
+    monkeypatch.setattr(triton_attention, "MIN_KEYS_PER_SPLIT", min_keys)
+    original = triton_attention.paged_attention_triton
+
+    def split_call(q, k_cache, v_cache, meta, *args, **kwargs):
+        return original(q, k_cache, v_cache, dataclasses.replace(meta, kv_splits=kv_splits), *args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "paged_attention_triton", split_call)
+
+
+@pytest.mark.parametrize("kv_splits", [2, 4])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.name)
+def test_interpreter_split_kv_matches_ref(interpreter, monkeypatch, case, kv_splits):
+    assert max(map(sum, zip(case.query_lens, case.ctx_lens))) > 3 * SPLIT_MIN_KEYS  # some request splits 4 ways
+    _with_splits(monkeypatch, kv_splits)
+    check_against_ref(case, torch.float32, "cpu", atol=1e-5)
+
+
+def test_interpreter_split_kv_half_precision(interpreter, monkeypatch):
+    _with_splits(monkeypatch, 4)
+    check_against_ref(SPLIT_CASES[0], torch.bfloat16, "cpu", atol=2e-2)
+
+
+def test_interpreter_split_kv_launches(interpreter, monkeypatch):
+    """kv_splits=1 is the kernel as before: one launch over the same grid, no partials, no combine (the 46 outputs
+    of CASES were checked bit for bit against the kernel before split-KV). With splits, requests that get one
+    split are written by the attention kernel itself: bit-identical to kv_splits=1."""
+    from dscale_runtime.kernels import triton_attention
+
+    case = CASE_SPLIT["split-block"]
+    q, k_cache, v_cache, meta = build(case, torch.float32, "cpu")
+    launches = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((self.kernel, grid, k.get("SPLITS"))) or self.kernel[grid](*a, **k)
+
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", Spy(triton_attention._paged_attention_kernel))
+    monkeypatch.setattr(triton_attention, "_combine_splits_kernel", Spy(triton_attention._combine_splits_kernel))
+    monkeypatch.setattr(triton_attention, "interpreted", lambda: True)
+    scale = case.heads[2] ** -0.5
+    base = paged_attention(q, k_cache, v_cache, meta, case.page_size, scale, backend="triton")
+    assert [(g, s) for _, g, s in launches] == [((2, 2, 1), 1)]  # (requests, head groups, query tiles)
+    monkeypatch.setattr(triton_attention, "MIN_KEYS_PER_SPLIT", 10**6)  # every request gets one split
+    launches.clear()
+    one = paged_attention(q, k_cache, v_cache, dataclasses.replace(meta, kv_splits=4), case.page_size, scale,
+                          backend="triton")
+    assert [(g, s) for _, g, s in launches] == [((2, 2, 4), 4), ((2, 4, 1), 4)]  # attention, combine
+    assert torch.equal(one, base)
+    monkeypatch.setattr(triton_attention, "MIN_KEYS_PER_SPLIT", SPLIT_MIN_KEYS)
+    split = paged_attention(q, k_cache, v_cache, dataclasses.replace(meta, kv_splits=4), case.page_size, scale,
+                            backend="triton")
+    short = (meta.kv_lens <= SPLIT_MIN_KEYS)[meta.row_req]  # requests of one split: written directly
+    assert torch.equal(split[short], base[short]) and not torch.equal(split[~short], base[~short])
+
+
+def test_kv_splits_for():
+    from dscale_runtime.kernels import kv_splits_for
+
+    # Qwen3-8B on 132 SMs: one request of 16 rows has 8 programs (4 stacked heads), of 512 rows 128 (1 head).
+    assert kv_splits_for(1, 16, 32, 8, 132) == 16 and kv_splits_for(1, 512, 32, 8, 132) == 4
+    assert kv_splits_for(8, 16, 32, 8, 132) == 8 and kv_splits_for(64, 16, 32, 8, 132) == 1
+    assert kv_splits_for(1, 16, 32, 8, 132, max_splits=4) == 4
+
+
 def greedy_tokens_by_backend(pair, predictor, prompts, max_tokens: int, monkeypatch, **config):
     """{mode: {backend: token lists}} for dflash and dscale, greedy, with DSCALE_ATTENTION, DSCALE_FUSED and
     DSCALE_FEATURES all set to the backend before each engine is built (the default source of the kernel
@@ -270,6 +359,26 @@ for dtype, shape, tile, causal in [(torch.bfloat16, (32, 8, 128), 16, True), (to
     for line in lines:
         if line.startswith(("bfloat16", "float16")):
             assert line.endswith(("STACK:0", "?")), f"register spills: {line}"
+
+
+@needs_triton
+def test_compiled_split_kv_kernels_build_for_sm90_without_spills():
+    """The split-KV attention kernel and its combine kernel, compiled for sm_90 without a GPU (as above)."""
+    from offline import run_without_interpreter
+
+    lines = run_without_interpreter("""
+import torch
+from dscale_runtime.kernels import stack_usage
+from dscale_runtime.kernels.triton_attention import compile_combine_offline, compile_offline
+for tile, causal, splits in [(16, True, 16), (128, False, 4)]:
+    print("attention", tile, causal, splits, stack_usage(compile_offline(torch.bfloat16, 32, 8, 128, tile, causal,
+                                                                          kv_splits=splits)))
+for dtype, splits in [(torch.bfloat16, 16), (torch.float32, 4)]:
+    print("combine", str(dtype).split(".")[1], splits, stack_usage(compile_combine_offline(dtype, 128, splits)))
+""")
+    assert len(lines) == 4
+    for line in lines:
+        assert line.endswith(("STACK:0", "?")), f"register spills: {line}"
 
 
 # ----------------------------------------------------------------------------------------------- CUDA

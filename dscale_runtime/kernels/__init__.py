@@ -6,7 +6,9 @@ to the routers. `paged_attention` routes one layer's attention over the paged ca
 interpreter, for tests), the portable `paged_attention_ref` for 'ref', and for 'auto' (direct calls) the
 auto rule on the query tensor. `tile_rows` forces the query tile; None routes by the longest query. The
 routers read no environment: DSCALE_ATTENTION / DSCALE_ATTENTION_TILE are read once, by
-`KernelChoice.resolve`.
+`KernelChoice.resolve`. Split-KV is asked for through the metadata: `meta.kv_splits` (static, default 1) lets
+the Triton path spread each request's keys over up to that many programs, the count per request decided on
+the device from its kv_len (`kv_splits_for` sizes it for a launch; the portable path ignores it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dscale_runtime.kernels.choice import (
 )
 
 __all__ = ["BACKENDS", "REQUESTS", "TILE_ROWS", "TRITON_DTYPES", "KernelChoice", "attention_backend",
-           "auto_backend", "check_backend", "heads_per_program", "paged_attention", "stack_usage",
+           "auto_backend", "check_backend", "heads_per_program", "kv_splits_for", "paged_attention", "stack_usage",
            "tile_rows_for", "triton_available"]
 
 VERIFY_TILE = 16  # query rows per tile when every request's query is at most this long (DESIGN 3.6)
@@ -50,6 +52,22 @@ def heads_per_program(group: int, tile_rows: int) -> int:
     while group % (2 * g) == 0 and 2 * g * tile_rows <= MAX_STACKED_ROWS:
         g *= 2
     return g
+
+
+def kv_splits_for(busy_requests: int, max_q: int, num_heads: int, num_kv_heads: int, sm_count: int,
+                  tile_rows: int | None = None, max_splits: int = 16) -> int:
+    """A static `AttentionMetadata.kv_splits` for a launch whose `busy_requests` requests (live ones, not
+    padding slots) have queries of up to `max_q` rows: the power of two (<= max_splits) that brings their
+    Triton programs (requests x head groups x query tiles) to about two per SM. Requests with short contexts
+    split less (on the device: one split per MIN_KEYS_PER_SPLIT keys), so a large value costs them nothing
+    but idle programs; each split costs a [rows, heads, head_dim] fp32 partial, so many-row launches keep few."""
+    tile = tile_rows or tile_rows_for(max_q)
+    groups = num_heads // heads_per_program(num_heads // num_kv_heads, tile)
+    programs = max(1, busy_requests) * groups * -(-max(1, max_q) // tile)
+    splits = 1
+    while splits < max_splits and programs * splits < 2 * sm_count:
+        splits *= 2
+    return splits
 
 
 def attention_backend(q: torch.Tensor, backend: str = "auto") -> str:

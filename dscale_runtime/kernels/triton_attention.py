@@ -8,6 +8,13 @@ Keys are read through the block table; softmax is online, in fp32. Grid (N, H / 
 ceil(max_q / tile_rows)) uses only static sizes; every program reads its query bounds and kv_len on the
 device, so a launch never needs a host read and is safe to capture in a CUDA graph.
 
+Split-KV (flash-decoding), for few long requests: with `meta.kv_splits` = S > 1 the grid's last axis holds S
+programs per query tile. Each request splits on the device into n = clamp(cdiv(kv_len, MIN_KEYS_PER_SPLIT), 1, S)
+chunks of whole key blocks; programs past n exit. A request of one split is written directly; one of several
+writes fp32 partials (unnormalised acc, running max m, sum l) to a per-call workspace [S, T, H, D] + [S, T, H] x 2,
+and `_combine_splits_kernel` (grid (N, H, row tiles), static) merges them into the output. kv_splits=1 compiles
+to the kernel without splits.
+
 This module imports triton at import time: import it only through `dscale_runtime.kernels`, which does so
 lazily. CUDA tensors run the compiled kernel; with TRITON_INTERPRET=1 set before triton is imported, the
 kernel runs in Triton's interpreter, on CPU tensors too (the CPU tests).
@@ -25,6 +32,14 @@ from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.kernels import TILE_ROWS, heads_per_program, tile_rows_for
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Split-KV (meta.kv_splits > 1): a request splits its keys over at most kv_splits programs, one per this many
+# keys at least (16 key blocks of 64 in 16-bit). A split writes an fp32 partial of its stacked rows (64 x 128 x
+# 4 = 32 KiB at Qwen3-8B's verify tile) that the combine reads back: ~6% over the 512 KiB of K/V its 1024
+# keys read (12% at the 128-row prefill tile), where 2048 would halve that but leave a 16-row chunk over 8K
+# keys at 8 x 8 = 64 busy programs on 132 SMs (16K keys: 16 splits, 128 programs). Contexts under 2 x this
+# never split (verify / decode over short contexts: one program, output written directly, no combine).
+MIN_KEYS_PER_SPLIT = 1024
+COMBINE_ROWS = 16  # query rows per program of the combine kernel
 
 
 @triton.jit
@@ -76,6 +91,9 @@ def _paged_attention_kernel(
     query_starts, query_lens, positions, kv_lens, block_tables,  # [N], [N], [T], [N], [N, max_pages]
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
     max_pages, qk_scale,  # qk_scale = softmax scale x log2(e)
+    PartAcc, PartM, PartL,  # split partials (SPLITS > 1 only): acc [S, T, H, D], m / l [S, T, H], fp32
+    stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_mh,  # (m and l share one layout)
+    min_keys,  # keys per split at least (MIN_KEYS_PER_SPLIT); SPLITS > 1 only
     GROUP: tl.constexpr,  # q heads per kv head
     HEADS: tl.constexpr,  # q heads stacked in one program (divides GROUP)
     TILE: tl.constexpr,  # query rows per program
@@ -87,10 +105,15 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot input precision ("ieee" keeps fp32 inputs exact)
     INTERPRET: tl.constexpr,  # Triton's interpreter (see the NOTE at the key loops)
+    SPLITS: tl.constexpr = 1,  # most programs sharing one request's keys (1: no split, no partials)
 ):
     req = tl.program_id(0)
     head0 = tl.program_id(1) * HEADS
-    tile = tl.program_id(2)
+    if SPLITS == 1:
+        tile = tl.program_id(2)
+    else:
+        tile = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
     kv_head = head0 // GROUP
 
     q_start = tl.load(query_starts + req)
@@ -101,6 +124,14 @@ def _paged_attention_kernel(
     offs_m = tl.arange(0, TILE * HEADS)  # stacked (head, row) index
     local = tile * TILE + offs_m % TILE  # [M] row inside the request's query
     head = head0 + offs_m // TILE  # [M]
+    if SPLITS > 1:
+        # The request's split count and key chunk, from its kv_len (the same for all its tiles and for the
+        # combine kernel): n_splits = clamp(cdiv(kv_len, min_keys), 1, SPLITS), chunks of whole key blocks.
+        n_splits = tl.minimum(tl.cdiv(kv_len, min_keys), SPLITS)
+        chunk = tl.cdiv(tl.cdiv(kv_len, n_splits), BLOCK_N) * BLOCK_N
+        # NOTE: programs past the request's splits do no work. Masks combined with a scalar condition are
+        # built as integer bounds: the interpreter turns `bool[M] & bool` into an int mask it cannot load with.
+        q_len = tl.where(split < n_splits, q_len, 0)
     row_ok = local < q_len
     rows = q_start + local
     offs_d = tl.arange(0, BLOCK_D)
@@ -121,6 +152,16 @@ def _paged_attention_kernel(
         kv_full = kv_len
     kv_hi = tl.where(tile * TILE < q_len, kv_hi, 0).to(tl.int32)  # tiles past the query do no work
     kv_full = (tl.minimum(kv_full, kv_hi) // BLOCK_N * BLOCK_N).to(tl.int32)
+    # This program's keys: unmasked blocks [lo, kv_full), masked ones [kv_full, kv_hi). With splits, the keys
+    # [split x chunk, (split + 1) x chunk) of the tile's [0, kv_hi); chunk edges are whole blocks, so a
+    # masked block still ends at a chunk edge or at kv_hi, and the masks against kv_hi stay right. A split
+    # past the tile's keys (a causal tile early in the chunk) walks nothing: l = 0, weight 0 in the combine.
+    if SPLITS == 1:
+        lo = 0
+    else:
+        lo = (split * chunk).to(tl.int32)
+        kv_hi = tl.minimum(kv_hi, lo + chunk).to(tl.int32)
+        kv_full = tl.maximum(tl.minimum(kv_full, kv_hi), lo).to(tl.int32)
 
     # NOTE: m starts finite, so fully masked scores (-inf) give p = 0 and alpha = 1, never inf - inf.
     m_i = tl.full([TILE * HEADS], -1.0e30, dtype=tl.float32)
@@ -133,7 +174,7 @@ def _paged_attention_kernel(
     # 1-element array with int()), so it walks the same blocks with while loops; compiled code keeps `for`
     # loops, which Triton software-pipelines (num_stages).
     if INTERPRET:
-        start = 0
+        start = lo
         while start < kv_full:
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, kv_hi, pos, table, max_pages, K, V, stride_ks,
                                           stride_vs, offs_d, d_ok, qk_scale, BLOCK_N, PAGE_SIZE, False, CAUSAL,
@@ -145,7 +186,7 @@ def _paged_attention_kernel(
                                           EVEN_D, PRECISION, INTERPRET)
             start += BLOCK_N
     else:
-        for start in range(0, kv_full, BLOCK_N):
+        for start in range(lo, kv_full, BLOCK_N):
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, kv_hi, pos, table, max_pages, K, V, stride_ks,
                                           stride_vs, offs_d, d_ok, qk_scale, BLOCK_N, PAGE_SIZE, False, CAUSAL,
                                           EVEN_D, PRECISION, INTERPRET)
@@ -153,9 +194,70 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, kv_hi, pos, table, max_pages, K, V, stride_ks,
                                           stride_vs, offs_d, d_ok, qk_scale, BLOCK_N, PAGE_SIZE, True, CAUSAL,
                                           EVEN_D, PRECISION, INTERPRET)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # One split: the output itself. Several: the unnormalised partial (acc, m, l) for the combine kernel.
+        out_ok = local < tl.where(n_splits == 1, q_len, 0)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=out_ok[:, None] & d_ok[None, :])
+        part_ok = local < tl.where(n_splits > 1, q_len, 0)
+        tl.store(PartAcc + split * stride_as + rows[:, None] * stride_at + head[:, None] * stride_ah
+                 + offs_d[None, :], acc, mask=part_ok[:, None] & d_ok[None, :])
+        ml = split * stride_ms + rows * stride_mt + head * stride_mh
+        tl.store(PartM + ml, m_i, mask=part_ok)
+        tl.store(PartL + ml, l_i, mask=part_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    Out, PartAcc, PartM, PartL,  # out [T, H, D]; acc [S, T, H, D], m / l [S, T, H] (fp32)
+    query_starts, query_lens, kv_lens,  # [N]
+    stride_ot, stride_oh, stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_mh,
+    min_keys,
+    SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,  # query rows per program
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out = sum_s 2^(m_s - m*) acc_s / sum_s 2^(m_s - m*) l_s (m* = max_s m_s) over a request's splits, for one
+    (request, q head, row tile); requests of one split were written by the attention kernel and are skipped. A
+    split that saw no key of a row has m = -1e30 and l = acc = 0: weight 0."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_starts + req)
+    q_len = tl.load(query_lens + req)
+    kv_len = tl.maximum(tl.load(kv_lens + req), 1)
+    n_splits = tl.minimum(tl.cdiv(kv_len, min_keys), SPLITS)
+    local = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    q_len = tl.where(n_splits > 1, q_len, 0)  # (integer bounds for the masks: see the attention kernel)
+    row_ok = local < q_len
+    rows = q_start + local
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ml = rows * stride_mt + head * stride_mh
+    # One pass, rescaled as the max grows (a rolled loop: unrolled, the splits' loads all stay live and spill).
+    m_max = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    num = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    den = tl.zeros([ROWS], dtype=tl.float32)
+    for s in range(SPLITS):
+        ok = local < tl.where(s < n_splits, q_len, 0)
+        m_s = tl.load(PartM + s * stride_ms + ml, mask=ok, other=-1.0e30)
+        l_s = tl.load(PartL + s * stride_ms + ml, mask=ok, other=0.0)
+        acc = tl.load(PartAcc + s * stride_as + rows[:, None] * stride_at + head * stride_ah + offs_d[None, :],
+                      mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        m_new = tl.maximum(m_max, m_s)
+        alpha = tl.exp2(m_max - m_new)
+        w = tl.exp2(m_s - m_new)
+        num = num * alpha[:, None] + w[:, None] * acc
+        den = den * alpha + w * l_s
+        m_max = m_new
+    out = num / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=mask)
 
 
 def interpreted() -> bool:
@@ -221,37 +323,78 @@ def paged_attention_triton(
         raise RuntimeError("Triton attention on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before triton is imported, or use DSCALE_ATTENTION=ref (KernelChoice.attention='ref')")
     consts = kernel_constants(q.dtype, num_heads, num_kv_heads, head_dim, tile, page_size, meta.causal, config)
+    splits = int(getattr(meta, "kv_splits", 1))
+    assert splits >= 1, f"kv_splits must be >= 1, got {splits}"
     starts, lens = meta.query_bounds()
     tables = meta.block_tables
-    grid = (meta.num_requests, num_heads // consts["HEADS"], triton.cdiv(meta.max_q, tile))
+    grid = (meta.num_requests, num_heads // consts["HEADS"], triton.cdiv(meta.max_q, tile) * splits)
+    if splits == 1:  # no partials: the kernel never touches these arguments
+        part_acc = part_m = part_l = out
+        part_strides = (0,) * 6
+    else:  # NOTE: torch.empty on the current stream (the graph's pool inside a capture); no host read
+        part_acc = torch.empty(splits, num_rows, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(splits, num_rows, num_heads, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        assert part_acc.numel() < 2**31, "split workspace too large for int32 offsets: lower kv_splits"
+        part_strides = (*part_acc.stride()[:3], *part_m.stride())
+    min_keys = max(1, int(MIN_KEYS_PER_SPLIT))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         starts, lens, meta.positions, meta.kv_lens, tables,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), tables.stride(0),
-        tables.shape[1], scale * 1.4426950408889634, **consts,
+        tables.shape[1], scale * 1.4426950408889634,
+        part_acc, part_m, part_l, *part_strides, min_keys, SPLITS=splits, **consts,
     )
+    if splits > 1:
+        rows = min(COMBINE_ROWS, triton.next_power_of_2(meta.max_q))
+        _combine_splits_kernel[(meta.num_requests, num_heads, triton.cdiv(meta.max_q, rows))](
+            out, part_acc, part_m, part_l, starts, lens, meta.kv_lens,
+            out.stride(0), out.stride(1), *part_strides, min_keys,
+            SPLITS=splits, ROWS=rows, HEAD_DIM=head_dim, BLOCK_D=consts["BLOCK_D"], num_warps=4,
+        )
     return out
 
 
 def compile_offline(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, tile: int, causal: bool,
-                    page_size: int = 16, arch: int = 90, config: dict | None = None):
+                    page_size: int = 16, arch: int = 90, config: dict | None = None, kv_splits: int = 1):
     """Compile the kernel for an NVIDIA target without a GPU (Triton's bundled ptxas), as a launch on aligned
-    tensors would: a CI check of the compiled path. Needs triton imported without TRITON_INTERPRET."""
+    tensors would: a CI check of the compiled path. Needs triton imported without TRITON_INTERPRET.
+    `kv_splits` > 1 builds the split-KV variant (`compile_combine_offline` builds its combine kernel)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     assert not interpreted(), "compile_offline needs triton imported without TRITON_INTERPRET"
     consts = kernel_constants(dtype, num_heads, num_kv_heads, head_dim, tile, page_size, causal, config)
+    consts["SPLITS"] = kv_splits
     options = {"num_warps": consts.pop("num_warps"), "num_stages": consts.pop("num_stages")}
     elem = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     names = _paged_attention_kernel.arg_names
     signature = {n: "constexpr" if n in consts else elem if n in ("Q", "K", "V", "Out") else
-                 "fp32" if n == "qk_scale" else "i32" if n.startswith("stride") or n == "max_pages" else "*i64"
+                 "*fp32" if n.startswith("Part") else "fp32" if n == "qk_scale" else
+                 "i32" if n.startswith("stride") or n in ("max_pages", "min_keys") else "*i64"
                  for n in names}
     # NOTE: as the JIT launcher does for 16-aligned pointers and 16-divisible integers (contiguous tensors with
-    # head_dim % 16 == 0), tell the compiler so: it decides the vector width of the K/V loads.
-    aligned = [n for n in names if signature[n].startswith("*") or (n.startswith("stride") and n != "stride_bt")]
+    # head_dim % 16 == 0), tell the compiler so: it decides the vector width of the K/V loads. The strides of the
+    # split m / l ([S, T, H]) and of the block tables have no such guarantee.
+    aligned = [n for n in names if signature[n].startswith("*") or
+               (n.startswith("stride") and n != "stride_bt" and not n.startswith("stride_m"))]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if head_dim % 16 == 0 or "stride" not in n}
     source = ASTSource(_paged_attention_kernel, signature, constexprs=consts, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_combine_offline(dtype: torch.dtype, head_dim: int, kv_splits: int, arch: int = 90):
+    """The split-KV combine kernel compiled for an NVIDIA target without a GPU, as `compile_offline`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    assert not interpreted(), "compile_combine_offline needs triton imported without TRITON_INTERPRET"
+    consts = dict(SPLITS=kv_splits, ROWS=COMBINE_ROWS, HEAD_DIM=head_dim,
+                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+    elem = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    names = _combine_splits_kernel.arg_names
+    signature = {n: "constexpr" if n in consts else elem if n == "Out" else "*fp32" if n.startswith("Part") else
+                 "i32" if n.startswith("stride") or n == "min_keys" else "*i64" for n in names}
+    source = ASTSource(_combine_splits_kernel, signature, constexprs=consts)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
