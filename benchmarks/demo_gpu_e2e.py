@@ -31,9 +31,11 @@ from dscale_runtime.demo.ties import near_ties
 from dscale_runtime.engine import Engine
 
 
-def build(mode: str, concurrency: int, dtype: str, predictor: Path, graphs: bool, overlap: bool = True) -> Engine:
+def build(mode: str, concurrency: int, dtype: str, predictor: Path, graphs: bool, overlap: bool = True,
+          prefill_graphs: bool = True, admission_group: int = 1) -> Engine:
     config = EngineConfig(mode=mode, max_running_requests=concurrency, device="cuda", dtype=dtype, max_model_len=1024,
-                          step_graphs=graphs, overlap_schedule=overlap)
+                          step_graphs=graphs, overlap_schedule=overlap, prefill_graphs=prefill_graphs,
+                          admission_group=admission_group)
     return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
                                   predictor if mode == "dscale" else None, config=config)
 
@@ -72,6 +74,7 @@ def run_point(engines: dict[str, Engine], prompts: list[str], temperature: float
             "tokens_per_s_runs": [round(tokens / t, 1) for t in seconds[name]],
             "mean_acceptance_length": round(1 + sum(accepted) / len(accepted), 3) if accepted else 1.0,
             "request_steps": sum(o.stats.num_steps for o in out), "tokens": [o.token_ids for o in out],
+            "eager_prefills": engine.prefiller.eager_calls,
             **({"step_policy": engine.step_policy} if engine.config.mode == "dscale" else {}),
         }
     return rows
@@ -93,16 +96,29 @@ def main() -> None:
     parser.add_argument("--step-graphs", action="store_true", help="capture every mode's steps (CUDA graphs)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per point (the median is kept)")
     parser.add_argument("--no-overlap-too", action="store_true",
-                        help="also time a DFlash engine with EngineConfig.overlap_schedule off")
+                        help="also time every mode with EngineConfig.overlap_schedule off")
+    parser.add_argument("--eager-prefill-too", action="store_true",
+                        help="also time a DFlash engine with EngineConfig.prefill_graphs off")
+    parser.add_argument("--admission-groups", type=int, nargs="*", default=[],
+                        help="also time DFlash and DScale engines with these EngineConfig.admission_group values")
+    parser.add_argument("--modes", nargs="+", default=["target", "dflash", "dscale"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in stdlib_prompts()[: args.prompts]]
     rows = []
     for c in args.concurrency:
         engines = {mode: build(mode, c, args.dtype, args.predictor, args.step_graphs)
-                   for mode in ("target", "dflash", "dscale")}
+                   for mode in args.modes}
+        for group in args.admission_groups:
+            for mode in ("dflash", "dscale"):
+                engines[f"{mode} group{group}"] = build(mode, c, args.dtype, args.predictor, args.step_graphs,
+                                                        admission_group=group)
         if args.no_overlap_too:
-            engines["dflash no-overlap"] = build("dflash", c, args.dtype, args.predictor, args.step_graphs, False)
+            for mode in args.modes:
+                engines[f"{mode} no-overlap"] = build(mode, c, args.dtype, args.predictor, args.step_graphs, False)
+        if args.eager_prefill_too:
+            engines["dflash eager-prefill"] = build("dflash", c, args.dtype, args.predictor, args.step_graphs,
+                                                    prefill_graphs=False)
         greedy: dict[str, dict] = {}
         for point in map(parse_point, args.sampling):
             by_mode = run_point(engines, prompts, *point, args.max_tokens, args.repeats)

@@ -87,6 +87,27 @@ class EngineConfig:
     """Most prompt tokens prefilled per engine step, over all requests being prefilled: a longer prompt is
     prefilled in chunks between decode steps, so the running requests keep producing tokens (SGLang's
     --chunked-prefill-size); 0 prefills every admitted prompt whole in one step."""
+    prefill_graphs: bool = True
+    """With `step_graphs` on CUDA: prefill through captured graphs too, one per token bucket
+    (`prefill_buckets`) and first-token draw kind (greedy, sampled, filtered), replayed with the chunk padded to
+    its bucket (padding rows on the scratch page): the target forward, the drafter's context injection and
+    the first token of each completed prompt in one replay (`dscale_runtime/prefill.py`). Above the largest
+    bucket the same step runs eagerly. False: every prefill runs eagerly."""
+    prefill_buckets: tuple[int, ...] | None = None
+    """Token counts of the prefill graphs; None: 16, 32, 64, 128, 256, then steps of x1.5 / x1.33 up to
+    `chunked_prefill_tokens` (8,192 when chunking is off) and `max_model_len`. Given on a CPU engine, prefills
+    are padded to them too (what the captured path does, eagerly: for tests)."""
+    prefill_stall_ratio: float = 1.0
+    """While requests decode, a step's prefill chunk lasts at most this share of the decode step beside it
+    (by the prefill and decode step times measured at start-up, the chunk's context included), so a decode
+    step with a chunk takes at most (1 + ratio) x one without; a prompt then prefills over more steps. Needs
+    captured prefill; 0 = no such bound (`chunked_prefill_tokens` alone). With nothing decoding the whole
+    `chunked_prefill_tokens` budget is used."""
+    admission_group: int = 1
+    """While requests decode, admit waiting requests in groups of up to this many: with at least this many
+    waiting and fewer slots free, admission waits (at most 4 steps) until the group fits, so one prefill serves
+    several requests (SGLang's --min-free-slots-delay); a shorter queue is admitted at once. 1 = admit as soon
+    as a slot frees (the measured default: docs/benchmarks.md)."""
     overlap_schedule: bool = True
     """Launch each decode step before the previous one is committed on the host: the device advances the next
     step's inputs from the verified results, and the host reads and commits a step behind (stop rules,
@@ -149,6 +170,14 @@ class EngineConfig:
         if self.chunked_prefill_tokens < 0:
             raise ValueError(f"EngineConfig.chunked_prefill_tokens must be >= 0 (0 = off), got "
                              f"{self.chunked_prefill_tokens}")
+        if self.prefill_buckets is not None:
+            object.__setattr__(self, "prefill_buckets", tuple(sorted({int(b) for b in self.prefill_buckets})))
+            if not self.prefill_buckets or min(self.prefill_buckets) < 1:
+                raise ValueError(f"EngineConfig.prefill_buckets must be token counts >= 1, got {self.prefill_buckets}")
+        if self.admission_group < 1:
+            raise ValueError(f"EngineConfig.admission_group must be >= 1, got {self.admission_group}")
+        if not self.prefill_stall_ratio >= 0:
+            raise ValueError(f"EngineConfig.prefill_stall_ratio must be >= 0 (0 = off), got {self.prefill_stall_ratio}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"EngineConfig.kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
 

@@ -23,18 +23,20 @@ import numpy as np
 import torch
 
 from dscale_runtime.attention import build_metadata, host_to_device
+from dscale_runtime.graphs import cuda_times
 from dscale_runtime.config import EngineConfig, RequestOutput, SamplingParams
 from dscale_runtime.dvl.features import FeatureSpec, context_features
 from dscale_runtime.dvl.features import hidden_projection as seeded_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity
 from dscale_runtime.kv_cache import PageAllocator, PagedKVCache
 from dscale_runtime.memory import RESERVE_FACTOR, kv_bytes_per_token, pool_tokens, transient_peak
+from dscale_runtime.prefill import PrefillChunk, PrefillRunner, default_prefill_buckets
 from dscale_runtime.prefix_cache import PrefixCachingAllocator
 from dscale_runtime.models.dflash import DFlashDraftModel
 from dscale_runtime.models.loader import load_drafter, load_target, load_tokenizer, read_eos_ids, resolve_dtype
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
 from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1, AsyncRead, StepKind, StepResult, StepRunner
-from dscale_runtime.sampling import SamplingRows, split_seed, target_tokens
+from dscale_runtime.sampling import split_seed
 from dscale_runtime.scheduler import Request, Scheduler, Status
 from dscale_runtime.stats import EngineCounters, StepStats, StepTrace, retained_drafts
 
@@ -121,7 +123,7 @@ class Engine:
             self.drafter_cache = PagedKVCache(dc.num_hidden_layers, num_pages, config.page_size,
                                               dc.num_key_value_heads, dc.head_dim, drafter.dtype, self.device)
             drafter.head_weight(target.lm_head.weight)  # NOTE: its LM-head copy (when dtypes differ) made now
-        self.scheduler = Scheduler(self.allocator, config.max_running_requests, lookahead)
+        self.scheduler = Scheduler(self.allocator, config.max_running_requests, lookahead, config.admission_group)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.keep_history = keep_history
@@ -154,12 +156,51 @@ class Engine:
             self.runner.prepare(self._serving_kinds())
             if self.runner.bucket_modes:
                 log.info("DScale policy (measured step ms per bucket): %s", self.step_policy)
+        captured_prefill = self.runner.use_graphs and config.prefill_graphs
+        largest = min(config.chunked_prefill_tokens or 8192, config.max_model_len)
+        self.prefiller = PrefillRunner(
+            target, drafter if self.capture_layers else None, self.target_cache.layers,
+            self.drafter_cache.layers if self.drafter_cache is not None else None, self.runner.state,
+            capture_layers=self.capture_layers, max_requests=config.max_running_requests,
+            max_pages=self.runner.max_pages, page_size=config.page_size,
+            buckets=list(config.prefill_buckets or default_prefill_buckets(largest)),
+            pad=captured_prefill or config.prefill_buckets is not None, use_graphs=captured_prefill,
+            device=self.device, pool=self.runner.pool)
+        self.decode_ms: dict[int, float] = {}
+        """Measured greedy decode step (ms) of each bucket's served step, for the prefill chunk budget."""
+        if captured_prefill:
+            self.prefiller.prepare()
+            self.decode_ms = self._time_decode_steps()
+            log.info("prefill ms per token bucket (from 0 / after %d keys): %s", next(iter(
+                self.prefiller.bucket_ms.values()))[2], {b: (round(a, 3), round(c, 3))
+                                                         for b, (a, c, _) in self.prefiller.bucket_ms.items()})
         self._pending: list = []  # launched steps not committed yet, oldest first: callables -> finished requests
         self._ids = itertools.count()
         self._generator = torch.Generator()
         self._generator.manual_seed(config.seed)
 
     # ------------------------------------------------------------------ construction
+    def _time_decode_steps(self, reps: int = 5) -> dict[int, float]:
+        """The greedy decode step each bucket serves (`StepRunner.mode_for`), timed as the runner's measured
+        policy does (every row live at `policy_context` tokens, all pages the scratch page): the chunk budget's
+        reference (`prefill_stall_ratio`)."""
+        runner, times = self.runner, {}
+        for size in runner.buckets:
+            mode = runner.mode_for(size)
+            known = runner.policy_ms.get(size, {})
+            if mode in known:
+                times[size] = known[mode]
+                continue
+            step = runner.get(size, StepKind(mode))
+            w = step.width
+            context = max(1, min(runner.policy_context, runner.max_pages * runner.page_size - 2 * runner.block_size))
+            rows = step.num_rows if mode == "dscale" else w * size
+            step.buf.fill([0] * size, [context] * size, [], [(0, 0, -1, RULE_GREEDY, 1.0, 1.0)] * size, rows, None)
+            step()
+            times[size] = float(np.median(cuda_times(step, reps)))
+        return times
+
+
     def _kv_layout(self) -> list[tuple[int, int, int, torch.dtype]]:
         """(layers, kv heads, head dim, dtype) of the target's cache and, for speculative modes, the drafter's."""
         tc = self.target.config
@@ -358,6 +399,12 @@ class Engine:
         `chunked_prefill_tokens` tokens in all per step (a request's chunk goes on from its computed tokens:
         a cached prefix, earlier chunks)."""
         budget = self.config.chunked_prefill_tokens or None
+        decoding = sum(1 for r in self.scheduler.running if not r.prefilling)
+        if budget is not None and decoding and self.decode_ms and self.config.prefill_stall_ratio > 0:
+            # NOTE: beside decoding, a chunk lasts at most stall_ratio x the decode step (measured at start-up)
+            first = next((r for r in self.scheduler.running if r.prefilling), None)
+            limit = self.config.prefill_stall_ratio * self.decode_ms[self.runner.bucket(decoding)]
+            budget = self.prefiller.budget(limit, budget, first.num_computed if first is not None else 0)
         batch = []
         for request in self.scheduler.running:
             if not request.prefilling:
@@ -451,53 +498,37 @@ class Engine:
                         draft_sampling=mode != "target" and RULE_SAMPLED in rules, features=traced,
                         retention=self.config.measure_retention and mode == "dscale")
 
-    def _first_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """The first generated token of each request [n] (on the device) from its prompt's last logits [n, V]
-        (the same draw target-only decoding makes at that position)."""
-        cols = list(zip(*(r.sampling for r in requests)))
-        rows = SamplingRows(self._tensor(cols[3]) == RULE_GREEDY, self._tensor(cols[4], torch.float32),
-                            self._tensor(cols[2]), self._tensor(cols[5], torch.float32), self._tensor(cols[0]),
-                            self._tensor(cols[1]), self.runner.sampling_backend)
-        sampled = any(rule != RULE_GREEDY for rule in cols[3])
-        filtered = any(k > 0 or p < 1 for k, p in zip(cols[2], cols[5]))
-        positions = self._tensor([len(r.prompt_token_ids) for r in requests])
-        return target_tokens(logits, rows, positions, filtered, sampled)[0]
-
     def _prefill(self, requests: list[Request]) -> list[Request]:
         """Prefill each request's next `prefill_chunk` tokens (its prompt, or after a preemption every token but
-        the pending anchor) after its computed ones. A fresh request whose prompt is done gets its first token
-        drawn on the device, where the next decode step reads it; the host commits it later (`_drain`)."""
-        starts = [r.num_computed for r in requests]
-        query = [r.prefill_token_ids[s : s + r.prefill_chunk] for r, s in zip(requests, starts)]
-        lens = [len(q) for q in query]
-        meta = build_metadata(lens, starts, [r.pages for r in requests], self.config.page_size, self.device,
-                              causal=True)
-        last_rows = self._tensor(list(itertools.accumulate(lens))) - 1
-        token_ids = self._tensor([t for q in query for t in q])
-        logits, features = self.target(token_ids, meta, self.target_cache.layers, last_rows, self.capture_layers)
-        if features is not None:
-            self.drafter.inject_context(features, meta.positions, meta.slot_mapping, self.drafter_cache.layers)
-        self.counters.prefill_tokens += sum(lens)
-        for request, n in zip(requests, lens):
-            request.num_computed += n
+        the pending anchor) after its computed ones, through the prefill runner (a captured token bucket on
+        CUDA). A fresh request whose prompt is done gets its first token drawn on the device, where the next
+        decode step reads it; the host commits it later (`_drain`)."""
+        chunks = []
+        for request in requests:
+            start = request.num_computed
+            tokens = request.prefill_token_ids[start : start + request.prefill_chunk]
+            done = not request.output_token_ids and start + len(tokens) == len(request.prompt_token_ids)
+            chunks.append(PrefillChunk(tokens, start, request.pages, request.slot if done else None, request.sampling,
+                                       len(request.prompt_token_ids)))
+        first = self.prefiller.run(chunks)
+        self.counters.prefill_tokens += sum(len(c.tokens) for c in chunks)
+        for request, chunk in zip(requests, chunks):
+            request.num_computed += len(chunk.tokens)
             self.scheduler.register(request)  # NOTE: its full pages are final once this forward has run
-        done = [i for i, r in enumerate(requests) if not r.prefilling and not r.output_token_ids]
+        done = [i for i, c in enumerate(chunks) if c.slot is not None]
         if not done:
             return []
         fresh = [requests[i] for i in done]
-        rows = self._tensor(done)
-        first = self._first_tokens(logits[rows], fresh)
-        self.runner.state.start(self._tensor([r.slot for r in fresh]), first,
-                                self._tensor([r.num_computed for r in fresh]))
         read = AsyncRead(first)
         for request in fresh:
             request.ahead += 1
 
         def commit() -> list[Request]:
             finished = []
-            for request, token in zip(fresh, read.get().tolist()):
+            tokens = read.get().tolist()
+            for request, i in zip(fresh, done):
                 request.ahead -= 1
-                if request.status is Status.RUNNING and self._commit_or_fail(request, [token]):
+                if request.status is Status.RUNNING and self._commit_or_fail(request, [tokens[i]]):
                     finished.append(request)
             return finished
 

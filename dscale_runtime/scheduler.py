@@ -25,6 +25,8 @@ from dscale_runtime.prefix_cache import page_keys
 
 log = logging.getLogger("dscale.scheduler")
 
+ADMISSION_HOLD_STEPS = 4
+"""With an admission group, a waiting request is held at most this many steps for more slots to free."""
 IN_BATCH_SHARE_TOKENS = 32
 """A waiting request whose next this-many tokens (whole pages) a running request is prefilling waits a step to
 take them from the prefix cache (SGLang's in-batch prefix threshold is 32 tokens as well)."""
@@ -87,9 +89,12 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_running: int, lookahead: int) -> None:
+    def __init__(self, allocator: PageAllocator, max_running: int, lookahead: int, admission_group: int = 1) -> None:
         self.allocator = allocator
         self.max_running = max_running
+        self.admission_group = admission_group
+        """Admit waiting requests in groups of up to this many while others decode (`_holds`); 1 = at once."""
+        self._held = 0
         self.lookahead = lookahead
         """Cache slots a request needs beyond its computed tokens for one step (the block width W)."""
         self.waiting: deque[Request] = deque()
@@ -147,6 +152,8 @@ class Scheduler:
         token is always computed) and gets pages for the rest; a request whose next pages (IN_BATCH_SHARE_TOKENS
         at least) a running request is still prefilling waits for them instead of computing them again, and the
         requests behind it go on (SGLang's in-batch prefix deprioritization)."""
+        if self._holds():
+            return []
         admitted = []
         caching = hasattr(self.allocator, "match")
         pending: set[bytes] | None = None  # NOTE: built at the first request that needs it, not every step
@@ -182,6 +189,19 @@ class Scheduler:
             if pending is not None:
                 pending |= set(self._keys(request)[request.num_computed // self.allocator.page_size :])
         return admitted
+
+    def _holds(self) -> bool:
+        """Whether admission waits this step (SGLang's --min-free-slots-delay, bounded): while requests decode and
+        the queue could fill a group of `admission_group` but fewer slots are free, for at most
+        ADMISSION_HOLD_STEPS steps; never while the queue is shorter than the group or nothing decodes."""
+        group = min(self.admission_group, self.max_running)
+        free = self.max_running - len(self.running)
+        if (group <= 1 or free <= 0 or len(self.waiting) < group or free >= group
+                or self._held >= ADMISSION_HOLD_STEPS or not any(not r.prefilling for r in self.running)):
+            self._held = 0
+            return False
+        self._held += 1
+        return True
 
     def _keys(self, request: Request) -> list[bytes]:
         """Prefix keys of the full pages of the request's prefill tokens (kept while those tokens stay the same)."""

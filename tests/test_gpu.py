@@ -41,3 +41,58 @@ def test_demo_pair_lossless_on_cuda(tmp_path, dtype):
             assert same == len(prompts)
         else:
             assert same >= len(prompts) * 3 // 4  # bf16: near-ties may flip a greedy choice
+
+
+def _compiled_kernels() -> int:
+    """Compiled variants of every Triton kernel of the runtime (Triton's per-device caches), where readable."""
+    import importlib
+
+    count = 0
+    for name in ("triton_attention", "triton_fused", "triton_features", "triton_sampling"):
+        module = importlib.import_module(f"dscale_runtime.kernels.{name}")
+        for value in vars(module).values():
+            caches = getattr(value, "device_caches", None)
+            if isinstance(caches, dict):
+                count += sum(len(entry[0]) for entry in caches.values())
+    return count
+
+
+@pytest.mark.parametrize("mode", ["target", "dflash", "dscale"])
+def test_captured_prefill_equals_eager_prefill_and_nothing_compiles_after_start_up(tmp_path, mode):
+    """Prefill replayed from token-bucket graphs (chunks, prefix-cache hits, first-token draws greedy, sampled
+    and filtered) decodes what eager prefill decodes, token for token (fp32); after start-up no request
+    captures a graph or compiles a kernel."""
+    from test_engine_dscale import make_predictor
+    from dscale_runtime.dvl.features import hidden_projection
+    from dscale_runtime.dvl.predictor import pair_identity, predictor_artifact
+
+    base = [p["prompt"] for p in stdlib_prompts()[:12]]
+    prompts = [base[i % 4] * 2 + base[4 + i % 8] for i in range(24)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) if i % 3 == 0 else
+              SamplingParams(temperature=1.0, top_p=0.8 if i % 3 == 1 else 1.0, max_tokens=40, ignore_eos=True,
+                             seed=i) for i in range(len(prompts))]
+    predictor = None
+    if mode == "dscale":
+        model = make_predictor("heuristic")
+        probe = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter",
+                                       config=EngineConfig(device="cuda", dtype="float32", max_model_len=1024))
+        torch.save(predictor_artifact(model, pair_identity(probe.target.config, probe.drafter.config),
+                                      hidden_projection(model.spec, probe.target.config.hidden_size)),
+                   tmp_path / "heuristic.pt")
+        predictor, probe = tmp_path / "heuristic.pt", None
+
+    def engine(prefill_graphs: bool) -> Engine:
+        config = EngineConfig(mode=mode, device="cuda", dtype="float32", max_model_len=1024, max_running_requests=8,
+                              step_graphs=True, prefill_graphs=prefill_graphs, chunked_prefill_tokens=160)
+        return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
+                                      predictor, config=config)
+
+    want = [o.token_ids for o in engine(False).generate(prompts, params)]
+    captured = engine(True)
+    graphs = (len(captured.runner.steps), len(captured.prefiller.steps))
+    compiled = _compiled_kernels()
+    got = [o.token_ids for o in captured.generate(prompts, params)]
+    assert got == want
+    assert captured.prefiller.eager_calls == 0 and captured.prefix_cache_stats["hit_tokens"] > 0
+    assert (len(captured.runner.steps), len(captured.prefiller.steps)) == graphs, "a request captured a graph"
+    assert _compiled_kernels() == compiled, "a request compiled a Triton kernel"

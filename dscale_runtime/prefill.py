@@ -1,0 +1,322 @@
+"""Prefill on fixed buffers in token buckets: the target forward over the prompt chunks of one engine step, the
+drafter's context injection and the first generated token of every prompt that completes, as one pure tensor
+function, captured once per (token bucket, draw kind) on CUDA and replayed; eager elsewhere.
+
+A bucket of T tokens has R = min(T, max_requests) request slots plus one pseudo request that owns the padding
+rows: every padding row sits at position 0 of the scratch page (it writes K/V there and attends to that one
+key), unused request slots have no rows and no keys, and rows of a request slot whose prompt does not complete
+in this chunk (or padding slots) write their first-token draw to the device state's dummy row. The host fills
+every index (rows, positions, cache slots, query bounds, block tables) with numpy and stages them in one copy
+per dtype (pinned, alternating on CUDA, as the decode buffers do), so a replay needs no host read.
+
+Token counts above the largest bucket run the same function eagerly on buffers of their own size (rounded up to
+16 rows, the Triton kernels' specialisation of the captured sizes). Without padding (`pad=False`, the CPU
+default) each call builds exact-size buffers and gives the portable attention its live query and key bounds:
+the same code as the captured path, at the cost of its math.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dscale_runtime.attention import AttentionMetadata
+from dscale_runtime.graphs import GraphedCall, cuda_times
+from dscale_runtime.kernels import kv_splits_for
+from dscale_runtime.kv_cache import SCRATCH_PAGE
+from dscale_runtime.sampling import SamplingRows, target_tokens
+
+log = logging.getLogger("dscale.prefill")
+
+RULE_GREEDY = 0  # the runner's rule codes (runner.RULE_GREEDY); sampling tuples carry them
+ROW_ALIGN = 16  # eager token counts are padded to this (the captured buckets are multiples of it)
+FLOOR_FACTOR = 1.5  # a chunk beside decoding may take this many times the cheapest chunk's time (`budget`)
+KINDS = ((False, False), (True, False), (True, True))  # (sampled, filtered) of the first-token draw
+
+
+def default_prefill_buckets(max_tokens: int) -> list[int]:
+    """Token buckets up to `max_tokens`: 16, 32, 64, 128, 256, then steps of x1.5 / x1.33 (384, 512, 768, 1024,
+    1536, 2048, 3072, 4096, 6144, 8192, ...), so padding wastes at most a third of a large chunk's math and a
+    small chunk (a prefix-cache hit's last page, a short prompt) replays a small graph."""
+    sizes, b = [], 16
+    while b < max_tokens:
+        sizes.append(b)
+        if b >= 256:
+            sizes.append(b * 3 // 2)
+        b *= 2
+    return sorted({s for s in sizes if s < max_tokens} | {-(-max_tokens // ROW_ALIGN) * ROW_ALIGN})
+
+
+INT_FIELDS = ("token_ids", "positions", "row_req", "row_local", "slot_mapping")  # [T] each
+REQ_FIELDS = ("query_starts", "query_lens", "kv_lens")  # [R + 1] each (the pseudo request last)
+SLOT_FIELDS = ("last_rows", "slots", "draw_pos", "seed_lo", "seed_hi", "top_k", "rule")  # [R] each
+FLOAT_FIELDS = ("temperature", "top_p")  # [R] each
+
+
+@dataclass
+class PrefillChunk:
+    """One request's part of a prefill: `tokens` at positions start.., its block table, and, when its prompt
+    completes here, the state slot and sampling tuple of its first-token draw at index `draw_pos`."""
+
+    tokens: list[int]
+    start: int
+    pages: list[int]
+    slot: int | None = None  # None: the prompt goes on in a later chunk (or was preempted): no draw
+    sampling: tuple = (0, 0, -1, RULE_GREEDY, 1.0, 1.0)
+    draw_pos: int = 0
+
+
+class PrefillBuffers:
+    """Fixed-address inputs of one token bucket (T rows, R request slots + the pseudo request)."""
+
+    def __init__(self, tokens: int, requests: int, max_pages: int, page_size: int, device: torch.device) -> None:
+        from dscale_runtime.runner import _Staging  # NOTE: the decode buffers' staging (pinned, alternating)
+
+        self.tokens, self.requests, self.max_pages, self.page_size = tokens, requests, max_pages, page_size
+        t, n = tokens, requests + 1
+        self.n_int = len(INT_FIELDS) * t + len(REQ_FIELDS) * n + n * max_pages + len(SLOT_FIELDS) * requests
+        self.n_float = len(FLOAT_FIELDS) * requests
+        on_cpu = device.type == "cpu"
+        self.stagings = [_Staging(self.n_int, self.n_float, not on_cpu) for _ in range(1 if on_cpu else 2)]
+        self._turn = 0
+        first = self.stagings[0]
+        self.dev_int = first.ints if on_cpu else torch.zeros(self.n_int, dtype=torch.long, device=device)
+        self.dev_float = first.floats if on_cpu else torch.zeros(self.n_float, dtype=torch.float32, device=device)
+        self._views(self.dev_int, self.dev_float, self)
+
+    def _views(self, ints, floats, into) -> None:
+        """Name the fields of a flat int / float pair (the device buffers, or a staging's numpy arrays)."""
+        t, r, n = self.tokens, self.requests, self.requests + 1
+        at = 0
+        for name in INT_FIELDS:
+            setattr(into, name, ints[at : at + t])
+            at += t
+        for name in REQ_FIELDS:
+            setattr(into, name, ints[at : at + n])
+            at += n
+        setattr(into, "block_tables", ints[at : at + n * self.max_pages].reshape(n, self.max_pages))
+        at += n * self.max_pages
+        for name in SLOT_FIELDS:
+            setattr(into, name, ints[at : at + r])
+            at += r
+        for i, name in enumerate(FLOAT_FIELDS):
+            setattr(into, name, floats[i * r : (i + 1) * r])
+
+    def fill(self, chunks: list[PrefillChunk], dummy_slot: int) -> None:
+        """Stage one prefill's indices on the host and copy them to the device (non-blocking when pinned)."""
+        staging = self.stagings[self._turn]
+        self._turn = (self._turn + 1) % len(self.stagings)
+        if staging.pending:  # NOTE: its previous copy must have left before it is overwritten
+            staging.copied.synchronize()
+
+        class _Host:
+            pass
+
+        h = _Host()
+        self._views(staging.np_int, staging.np_float, h)
+        t, r, ps = self.tokens, self.requests, self.page_size
+        n = len(chunks)
+        lens = np.fromiter((len(c.tokens) for c in chunks), dtype=np.int64, count=n)
+        total = int(lens.sum())
+        assert n <= r and total <= t, (n, r, total, t)
+        starts = np.cumsum(lens) - lens
+        ctx = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        staging.np_int.fill(0)  # NOTE: SCRATCH_PAGE == 0: unused tables, padding slots and rows on scratch
+        assert SCRATCH_PAGE == 0
+        tables = h.block_tables
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.pages)] = c.pages
+        if total:
+            h.token_ids[:total] = np.fromiter((tok for c in chunks for tok in c.tokens), dtype=np.int64, count=total)
+            req = np.repeat(np.arange(n), lens)
+            local = np.arange(total) - starts[req]
+            pos = ctx[req] + local
+            h.row_req[:total], h.row_local[:total], h.positions[:total] = req, local, pos
+            h.slot_mapping[:total] = tables[req, pos // ps] * ps + pos % ps
+        pad = t - total
+        h.row_req[total:] = r
+        h.row_local[total:] = np.arange(pad)
+        h.query_starts[:n], h.query_lens[:n], h.kv_lens[:n] = starts, lens, ctx + lens
+        h.query_starts[n:] = total
+        h.query_lens[r], h.kv_lens[r] = pad, 1
+        h.last_rows[:n] = starts + lens - 1
+        h.slots[:] = dummy_slot
+        h.temperature[:] = 1.0
+        h.top_p[:] = 1.0
+        h.top_k[:] = -1
+        for i, c in enumerate(chunks):
+            if c.slot is None:
+                continue
+            h.slots[i], h.draw_pos[i] = c.slot, c.draw_pos
+            h.seed_lo[i], h.seed_hi[i], h.top_k[i], h.rule[i] = c.sampling[:4]
+            h.temperature[i], h.top_p[i] = c.sampling[4], c.sampling[5]
+        if staging.copied is not None:
+            self.dev_int.copy_(staging.ints, non_blocking=True)
+            self.dev_float.copy_(staging.floats, non_blocking=True)
+            staging.copied.record()
+            staging.pending = True
+
+
+class PrefillStep:
+    """The prefill of one token bucket for one draw kind: forward, injection, first tokens -> [R] int64."""
+
+    def __init__(self, runner: "PrefillRunner", buffers: PrefillBuffers, sampled: bool, filtered: bool,
+                 live_bounds: tuple[int, int] | None = None) -> None:
+        self.runner, self.buf, self.sampled, self.filtered = runner, buffers, sampled, filtered
+        # Static bounds (graph-safe): the whole bucket; live ones (the portable path) when given
+        self.max_q, self.max_kv = live_bounds or (buffers.tokens, buffers.max_pages * buffers.page_size)
+        self.kv_splits = runner.kv_splits(buffers.tokens)
+        self.call: GraphedCall | None = None
+
+    def step(self) -> torch.Tensor:
+        r, buf = self.runner, self.buf
+        meta = AttentionMetadata(
+            row_req=buf.row_req, row_local=buf.row_local, positions=buf.positions, slot_mapping=buf.slot_mapping,
+            kv_lens=buf.kv_lens, block_tables=buf.block_tables, max_q=self.max_q, max_kv=self.max_kv, causal=True,
+            query_starts=buf.query_starts, query_lens=buf.query_lens, kv_splits=self.kv_splits)
+        logits, features = r.target(buf.token_ids, meta, r.target_caches, buf.last_rows, r.capture_layers)
+        if features is not None:
+            r.drafter.inject_context(features, buf.positions, buf.slot_mapping, r.drafter_caches)
+        rows = SamplingRows(buf.rule == RULE_GREEDY, buf.temperature, buf.top_k, buf.top_p, buf.seed_lo, buf.seed_hi,
+                            r.sampling_backend)
+        first = target_tokens(logits, rows, buf.draw_pos, self.filtered, self.sampled)[0]
+        state = r.state
+        state.anchor.index_copy_(0, buf.slots, first)
+        state.ctx.index_copy_(0, buf.slots, buf.kv_lens[: buf.requests])
+        if state.history is not None:
+            state.history.index_fill_(0, buf.slots, 0.0)
+        return first
+
+    def build(self, use_graph: bool, pool=None) -> "PrefillStep":
+        if use_graph:
+            self.buf.fill([], self.runner.state.dummy)  # NOTE: captured on padding only: no state is touched
+        self.call = GraphedCall(self.step, use_graph, pool=pool)
+        return self
+
+    def __call__(self) -> torch.Tensor:
+        return self.call()
+
+
+class PrefillRunner:
+    """Owns the prefill of one engine: token buckets, their buffers and captured steps, the eager path above
+    the largest bucket, and the measured time of each bucket (the chunk budget beside decoding)."""
+
+    def __init__(self, target, drafter, target_caches, drafter_caches, state, *, capture_layers: tuple[int, ...],
+                 max_requests: int, max_pages: int, page_size: int, buckets: list[int] | None, pad: bool,
+                 use_graphs: bool, device: torch.device, pool=None) -> None:
+        self.target, self.drafter = target, drafter
+        self.target_caches, self.drafter_caches = target_caches, drafter_caches
+        self.state, self.capture_layers = state, capture_layers
+        self.sampling_backend = target.kernels.fused
+        self.max_requests, self.max_pages, self.page_size = max_requests, max_pages, page_size
+        self.buckets = sorted(buckets) if buckets else []
+        self.pad = pad or use_graphs
+        self.use_graphs = use_graphs
+        self.device = torch.device(device)
+        self.pool = pool
+        self.buffers: dict[int, PrefillBuffers] = {}
+        self.steps: dict[tuple[int, bool, bool], PrefillStep] = {}
+        self.bucket_ms: dict[int, tuple[float, float, int]] = {}
+        """Each captured bucket's greedy prefill, measured (`measure`): (ms from position 0, ms after a context of
+        `c` keys, c); a chunk after `ctx` keys is interpolated between the two (attention grows with the keys)."""
+        self.eager_calls = 0
+        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if self.device.type == "cuda" else 0
+
+    def kv_splits(self, tokens: int) -> int:
+        """Key splits of a prefill of `tokens` rows (`AttentionMetadata.kv_splits`, Triton path): sized for one
+        busy request, the case where a chunk after a long context would leave most of the GPU idle (requests
+        with fewer than 2 x MIN_KEYS_PER_SPLIT keys do not split, on the device); 1 off CUDA."""
+        if not self.sm_count or self.target.kernels.attention != "triton":
+            return 1
+        cfg = self.target.config
+        return kv_splits_for(1, tokens, cfg.num_attention_heads, cfg.num_key_value_heads, self.sm_count,
+                             tile_rows=self.target.kernels.attention_tile)
+
+    def bucket(self, tokens: int) -> int | None:
+        """The smallest bucket holding `tokens`, None above the largest (or without buckets)."""
+        if not self.pad:
+            return None
+        return next((b for b in self.buckets if b >= tokens), None)
+
+    def _requests_of(self, tokens: int) -> int:
+        return min(tokens, self.max_requests)
+
+    def get(self, tokens: int, sampled: bool, filtered: bool) -> PrefillStep:
+        key = (tokens, sampled, filtered)
+        if key not in self.steps:
+            if tokens not in self.buffers:
+                self.buffers[tokens] = PrefillBuffers(tokens, self._requests_of(tokens), self.max_pages,
+                                                      self.page_size, self.device)
+            self.steps[key] = PrefillStep(self, self.buffers[tokens], sampled, filtered).build(self.use_graphs,
+                                                                                               self.pool)
+        return self.steps[key]
+
+    def prepare(self) -> None:
+        """Capture every bucket's step of every draw kind, largest first (CUDA graphs, one shared pool), so no
+        request waits for a capture or a compile; then time the greedy ones (`bucket_ms`)."""
+        for tokens in reversed(self.buckets):
+            for sampled, filtered in KINDS:
+                self.get(tokens, sampled, filtered)
+        if self.use_graphs:
+            self.measure()
+
+    def measure(self, reps: int = 5, long_context: int | None = None) -> None:
+        """Median replay time of each bucket's greedy step with every row live, its pages all the scratch page:
+        the bucket's tokens from position 0, then after `long_context` keys (default: as many as the block
+        table holds beside the bucket, at most 16,384), so a chunk's time is known at any context (`ms_at`)."""
+        span = self.max_pages * self.page_size
+        for tokens in self.buckets:
+            step = self.get(tokens, False, False)
+            per = min(tokens, span)  # NOTE: a bucket wider than one request's table is measured over several
+            sizes = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
+            times = []
+            for ctx in (0, min(long_context or 16384, span - per)):
+                chunks = [PrefillChunk([0] * k, ctx, [SCRATCH_PAGE] * -(-(ctx + k) // self.page_size)) for k in sizes]
+                step.buf.fill(chunks[: self._requests_of(tokens)], self.state.dummy)
+                step()
+                times.append(float(np.median(cuda_times(step, reps))))
+            self.bucket_ms[tokens] = (times[0], times[1], max(1, min(long_context or 16384, span - per)))
+
+    def ms_at(self, tokens: int, ctx: int) -> float:
+        """Measured time of a bucket's prefill after `ctx` keys (linear in the keys between the two measures)."""
+        short, long, c = self.bucket_ms[tokens]
+        return short + max(0.0, long - short) * ctx / c
+
+    def budget(self, limit_ms: float, cap: int, ctx: int = 0) -> int:
+        """The most tokens one prefill after `ctx` keys may take to last at most `limit_ms` (by `bucket_ms`):
+        the largest bucket within it, at most `cap`. Where even the smallest bucket takes longer (a large model's
+        prefill reads every weight whatever its tokens: at Qwen3-8B shape a 16-token chunk costs about a
+        target-only decode step), the limit becomes FLOOR_FACTOR x the cheapest bucket's time: every chunk pays
+        that floor, so it takes as many tokens as cost about the same."""
+        if not self.bucket_ms:
+            return cap
+        floor = FLOOR_FACTOR * min(self.ms_at(b, ctx) for b in self.bucket_ms)
+        limit = max(limit_ms, floor)
+        fits = [b for b in self.bucket_ms if self.ms_at(b, ctx) <= limit]
+        return max(1, min(max(fits, default=min(self.bucket_ms)), cap))
+
+    def run(self, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """Prefill the chunks (at most `max_requests`); returns the first-token draws [n] on the device (rows of
+        chunks without a draw hold junk)."""
+        n = len(chunks)
+        total = sum(len(c.tokens) for c in chunks)
+        draws = [c for c in chunks if c.slot is not None]
+        sampled = any(c.sampling[3] != RULE_GREEDY for c in draws)
+        filtered = sampled and any(c.sampling[3] != RULE_GREEDY and (c.sampling[2] > 0 or c.sampling[5] < 1)
+                                   for c in draws)
+        size = self.bucket(total)
+        if size is not None and n <= self._requests_of(size):
+            step = self.get(size, sampled, filtered)
+        else:  # NOTE: above the largest bucket, or unpadded: the same step, eager, on buffers of this size
+            self.eager_calls += 1
+            rows = -(-total // ROW_ALIGN) * ROW_ALIGN if self.pad else total
+            buffers = PrefillBuffers(rows, n, self.max_pages, self.page_size, self.device)
+            bounds = None if self.pad else (max(len(c.tokens) for c in chunks),
+                                            max(c.start + len(c.tokens) for c in chunks))
+            step = PrefillStep(self, buffers, sampled, filtered, bounds).build(False)
+        step.buf.fill(chunks, self.state.dummy)
+        return step()[:n]

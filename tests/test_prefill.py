@@ -1,0 +1,150 @@
+"""Prefill in token buckets (issue 24): the bucket buffers index what `build_metadata` indexes, padded prefill
+(what CUDA graphs replay, run eagerly here) decodes target-only's tokens, and the chunk budget beside decoding
+follows the measured step times. Oracle: target-only decoding with unpadded prefill, chunks and caching off."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from test_engine import assert_same, make_engine, pair  # noqa: F401 - fixtures
+from dscale_runtime.attention import build_metadata
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.prefill import PrefillBuffers, PrefillChunk, default_prefill_buckets
+
+
+def test_default_buckets_step_by_at_most_a_half_and_end_at_the_largest():
+    sizes = default_prefill_buckets(8192)
+    assert sizes[:5] == [16, 32, 64, 128, 256] and sizes[-1] == 8192
+    assert all(b % 16 == 0 for b in sizes)
+    assert all(b / a <= 2 for a, b in zip(sizes, sizes[1:]))
+    assert all(b / a <= 1.5 for a, b in zip(sizes, sizes[1:]) if a >= 256)
+    assert default_prefill_buckets(100) == [16, 32, 64, 112]
+
+
+def test_bucket_buffers_index_what_build_metadata_indexes():
+    rng = random.Random(1)
+    page, max_pages = 16, 12
+    chunks = []
+    for _ in range(5):
+        start, n = rng.randrange(0, 60), rng.randrange(1, 40)
+        pages = rng.sample(range(1, 200), -(-(start + n) // page))
+        chunks.append(PrefillChunk([rng.randrange(50) for _ in range(n)], start, pages))
+    buf = PrefillBuffers(256, 8, max_pages, page, torch.device("cpu"))
+    buf.fill(chunks, dummy_slot=99)
+    want = build_metadata([len(c.tokens) for c in chunks], [c.start for c in chunks], [c.pages for c in chunks], page,
+                          "cpu")
+    t, n = sum(len(c.tokens) for c in chunks), len(chunks)
+    for name in ("row_req", "row_local", "positions", "slot_mapping"):
+        assert torch.equal(getattr(buf, name)[:t], getattr(want, name)), name
+    assert torch.equal(buf.token_ids[:t], torch.tensor([x for c in chunks for x in c.tokens]))
+    assert torch.equal(buf.kv_lens[:n], want.kv_lens) and torch.equal(buf.query_lens[:n], want.query_lens)
+    assert torch.equal(buf.query_starts[:n], want.query_starts)
+    assert torch.equal(buf.block_tables[:n, : want.block_tables.shape[1]], want.block_tables)
+    # Padding: the pseudo request (slot 8) owns every row past t at position 0 of the scratch page; empty slots
+    # own nothing; no slot draws (all point at the dummy state row).
+    assert (buf.row_req[t:] == 8).all() and (buf.positions[t:] == 0).all() and (buf.slot_mapping[t:] == 0).all()
+    assert buf.query_lens[8] == 256 - t and (buf.query_lens[n:8] == 0).all() and (buf.slots == 99).all()
+    assert torch.equal(buf.last_rows[:n], want.query_starts + want.query_lens - 1)
+
+
+@pytest.fixture(scope="module")
+def plain(pair):  # noqa: F811
+    rng = random.Random(7)
+    system = [rng.randrange(94) for _ in range(40)]
+    prompts = [(system if i % 2 else []) + [rng.randrange(94) for _ in range(rng.choice([1, 9, 30, 70]))]
+               for i in range(10)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(6, 30), ignore_eos=True) if i % 3 else
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, ignore_eos=True, seed=40 + i)
+              for i in range(10)]
+    engine = make_engine(pair, "target", max_running_requests=10, prefix_caching=False, chunked_prefill_tokens=0,
+                         sampling_rule="top1")
+    return prompts, params, engine.generate(prompts, params)
+
+
+@pytest.mark.parametrize("mode,chunk", [("target", 0), ("dflash", 24), ("dflash", 0)])
+def test_padded_bucket_prefill_decodes_target_only_tokens(pair, plain, mode, chunk):  # noqa: F811
+    """Prefills padded to 16 / 48-token buckets (what the graphs replay), eager above 48, mixed greedy and
+    seeded top-1 sampling (target-only's own draws), with prefix caching: target-only's tokens."""
+    prompts, params, want = plain
+    engine = make_engine(pair, mode, max_running_requests=4, prefill_buckets=(16, 48), chunked_prefill_tokens=chunk,
+                         sampling_rule="top1")
+    assert_same(engine.generate(prompts, params), want)
+    assert engine.prefiller.pad and engine.prefiller.buckets == [16, 48]
+    assert (engine.prefiller.eager_calls > 0) == (chunk == 0)  # whole 70+ token prompts run above the buckets
+    assert engine.prefix_cache_stats["hit_tokens"] > 0
+
+
+def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  # noqa: F811
+    """With the start-up times a GPU engine measures (here given), a step's chunk beside decoding is the largest
+    bucket whose prefill lasts at most prefill_stall_ratio x the decode step; alone it takes the whole budget."""
+    prompts, params, want = plain
+    engine = make_engine(pair, "dflash", max_running_requests=4, prefill_buckets=(16, 32, 64),
+                         chunked_prefill_tokens=64, prefill_stall_ratio=1.0, sampling_rule="top1")
+    engine.prefiller.bucket_ms = {16: (0.2, 0.3, 100), 32: (0.5, 0.9, 100), 64: (1.5, 2.0, 100)}
+    engine.decode_ms = {b: 0.6 for b in engine.runner.buckets}
+    assert engine.prefiller.budget(0.6, 64, ctx=0) == 32 and engine.prefiller.budget(0.6, 64, ctx=50) == 16
+    # Below the cheapest chunk's time the bound is 1.5 x that time (weight-bound prefill: tokens come cheap)
+    assert engine.prefiller.budget(0.1, 64, ctx=100) == 16
+    weight_bound = {16: (4.0, 4.1, 100), 32: (4.2, 4.3, 100), 64: (5.5, 5.6, 100)}
+    saved, engine.prefiller.bucket_ms = engine.prefiller.bucket_ms, weight_bound
+    assert engine.prefiller.budget(3.0, 64) == 64 and engine.prefiller.budget(3.0, 48) == 48
+    engine.prefiller.bucket_ms = saved
+    chunks = []
+    real = engine._prefill
+
+    def spy(requests):
+        decoding = sum(1 for r in engine.scheduler.running if not r.prefilling)
+        chunks.append((decoding, sum(r.prefill_chunk for r in requests)))
+        return real(requests)
+
+    engine._prefill = spy
+    assert_same(engine.generate(prompts, params), want)
+    beside = [tokens for decoding, tokens in chunks if decoding]
+    alone = [tokens for decoding, tokens in chunks if not decoding]
+    assert beside and max(beside) <= 32 and max(alone) > 32
+
+
+def test_prefill_options_are_checked():
+    with pytest.raises(ValueError, match="prefill_buckets"):
+        EngineConfig(prefill_buckets=(0, 16))
+    with pytest.raises(ValueError, match="prefill_stall_ratio"):
+        EngineConfig(prefill_stall_ratio=-1)
+    assert EngineConfig(prefill_buckets=(64, 16, 16)).prefill_buckets == (16, 64)
+
+
+def test_admission_in_groups_holds_only_while_the_queue_fills_a_group(pair, plain):  # noqa: F811
+    """admission_group=3: while requests decode and 3 or more wait, admission waits for 3 free slots (at most
+    ADMISSION_HOLD_STEPS steps); a shorter queue is admitted at once; the tokens are target-only's."""
+    from dscale_runtime.scheduler import ADMISSION_HOLD_STEPS
+
+    prompts, params, want = plain
+    outputs = {}
+    for group in (1, 3):
+        engine = make_engine(pair, "dflash", max_running_requests=4, admission_group=group, sampling_rule="top1")
+        scheduler, events = engine.scheduler, []
+        real = scheduler.admit
+
+        def admit(real=real, scheduler=scheduler, events=events):
+            before = (len(scheduler.waiting), scheduler.max_running - len(scheduler.running), scheduler._held,
+                      any(not r.prefilling for r in scheduler.running))
+            admitted = real()
+            events.append((*before, len(admitted)))
+            return admitted
+
+        scheduler.admit = admit
+        outputs[group] = engine.generate(prompts, params)
+        assert_same(outputs[group], want)
+        admissions = [e for e in events if e[-1]]
+        if group == 3:
+            for waiting, free, held, decoding, count in admissions:
+                if decoding and waiting >= 3 and free < 3:
+                    assert held == ADMISSION_HOLD_STEPS, (waiting, free, held, count)
+                if waiting < 3 or not decoding:
+                    assert count == min(waiting, free), "a short queue is never held"
+            assert any(e[-1] == 0 and e[1] > 0 and e[0] > 0 for e in events), "admission was held at times"
+        else:
+            assert all(e[-1] == min(e[0], e[1]) for e in events if e[0] and e[1] > 0)
