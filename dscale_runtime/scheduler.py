@@ -109,7 +109,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _pages_needed(self, request: Request, lookahead: int | None = None) -> int:
-        tokens = max(request.num_computed, request.num_tokens - 1) + (self.lookahead if lookahead is None else lookahead)
+        # NOTE: a block starts at its anchor's position: the last token's for a request with output, one past the
+        # prompt for a fresh one (its first token is drawn by the prefill), which a step may decode as soon as
+        # its last chunk is in: a target-only step (lookahead 1) sized on num_tokens - 1 wrote its anchor's K/V
+        # past the request's last page when the prompt filled whole pages (issue 24).
+        anchor = request.num_tokens - 1 if request.output_token_ids else request.num_tokens
+        tokens = max(request.num_computed, anchor) + (self.lookahead if lookahead is None else lookahead)
         return max(0, self.allocator.pages_for(tokens) - len(request.pages))
 
     def reserve(self, requests: list[Request], lookahead: int) -> bool:

@@ -148,3 +148,28 @@ def test_admission_in_groups_holds_only_while_the_queue_fills_a_group(pair, plai
             assert any(e[-1] == 0 and e[1] > 0 and e[0] > 0 for e in events), "admission was held at times"
         else:
             assert all(e[-1] == min(e[0], e[1]) for e in events if e[0] and e[1] > 0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_never_writes_past_a_requests_pages(pair, overlap):  # noqa: F811
+    """Target-only (one row a step), prompts of whole pages, chunks that end a prompt in the step that decodes
+    it: every launched row's pages hold the positions it writes (the anchor one past the prompt included), and
+    the tokens are those of unchunked, uncached decoding (before the fix one request diverged on the GPU)."""
+    rng = random.Random(3)
+    system = [rng.randrange(94) for _ in range(48)]
+    prompts = [system + [rng.randrange(94) for _ in range(16 * (1 + i % 3))] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = make_engine(pair, "target", max_running_requests=6, prefix_caching=False,
+                       chunked_prefill_tokens=0).generate(prompts, params)
+    engine = make_engine(pair, "target", max_running_requests=3, chunked_prefill_tokens=40, overlap_schedule=overlap)
+    short, real = [], engine.runner.launch
+
+    def launch(anchors, ctx, pages, sampling, kind, context=None, slots=None, host=None):
+        for c, table, current in zip(ctx, pages, host or [True] * len(ctx)):
+            if current and len(table) * engine.config.page_size < c + engine.block_size:
+                short.append((c, len(table)))
+        return real(anchors, ctx, pages, sampling, kind, context, slots, host)
+
+    engine.runner.launch = launch
+    assert_same(engine.generate(prompts, params), want)
+    assert not short, f"rows launched with too few pages (ctx, pages): {short}"

@@ -69,6 +69,16 @@ class ServeConfig:
     chunked_prefill_tokens: int = 8192
     """Most prompt tokens prefilled per engine step; a longer prompt is prefilled over several steps while the
     running requests keep decoding; 0: every prompt whole in one step."""
+    prefill_graphs: bool = True
+    """With step graphs: prefill through captured token-bucket graphs too (forward, drafter context and first token
+    in one replay; eager above the largest bucket); false: eager prefill."""
+    prefill_stall_ratio: float = 1.0
+    """While requests decode, a prefill chunk lasts at most this share of the decode step beside it (start-up
+    measurements), so decoding slows at most (1 + ratio)x during a long prompt's prefill, which then takes more
+    steps; 0: only --chunked-prefill-tokens bounds a chunk."""
+    admission_group: int = 1
+    """While requests decode and at least this many wait, admit them in groups of this many (held at most 4
+    steps) so one prefill serves several; 1: admit as soon as a slot frees."""
     overlap_schedule: bool = True
     """Launch each decode step before the host has committed the previous one (inputs advanced on the device,
     commit and streaming a step behind; output unchanged); false: commit every step before the next starts."""
@@ -133,6 +143,10 @@ class ServeConfig:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got '{self.mode}'")
         if self.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if not self.prefill_stall_ratio >= 0:
+            raise ValueError(f"--prefill-stall-ratio must be >= 0 (0 = off), got {self.prefill_stall_ratio}")
+        if self.admission_group < 1:
+            raise ValueError(f"--admission-group must be >= 1, got {self.admission_group}")
         if self.chunked_prefill_tokens < 0:
             raise ValueError(f"--chunked-prefill-tokens must be >= 0 (0 = off), got {self.chunked_prefill_tokens}")
         if self.max_request_bytes < 1:

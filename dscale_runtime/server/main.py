@@ -33,7 +33,8 @@ def load_engine(config: ServeConfig, engine_cls=None):
         dtype=config.dtype, draft_dtype=config.draft_dtype, seed=config.seed,
         sampling_rule=config.sampling_rule, overlap_schedule=config.overlap_schedule,
         prefix_caching=config.prefix_caching, chunked_prefill_tokens=config.chunked_prefill_tokens,
-        target_fallback=config.target_fallback)
+        target_fallback=config.target_fallback, prefill_graphs=config.prefill_graphs,
+        prefill_stall_ratio=config.prefill_stall_ratio, admission_group=config.admission_group)
     return (engine_cls or Engine).from_pretrained(config.target_path, config.drafter_path, config.predictor_path,
                                                   config=engine_config)
 
