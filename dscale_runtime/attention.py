@@ -27,7 +27,9 @@ class AttentionMetadata:
     kv_lens: torch.Tensor  # [N] int64, keys visible to each request once this forward has written
     block_tables: torch.Tensor  # [N, max_pages] int64, page ids of each request (unused entries 0)
     max_q: int  # longest per-request query (padding height of the portable path)
-    max_kv: int  # longest kv_len (padding width of the portable path)
+    # Bound of every kv_len: the portable path gathers and masks max_kv keys per request, so eager callers keep
+    # it at the live context (captured steps use their static width; the Triton kernels read kv_lens only).
+    max_kv: int
     causal: bool  # True: a row at position p sees keys <= p; False: every key < kv_len (DFlash block)
     rope: dict = field(default_factory=dict, repr=False)  # (head_dim, theta, dtype) -> cos/sin of `positions`
     # Optional per-request query bounds for kernels; derived on the device from `row_req` when left None.
@@ -106,7 +108,8 @@ def paged_attention_ref(
     page_size: int,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    """Portable ragged attention: gather keys per request, pad queries per request, masked SDPA."""
+    """Portable ragged attention: gather keys per request, pad queries per request, masked SDPA. Its cost grows
+    with `meta.max_kv` (N x max_q x max_kv scores), whatever the requests' kv_lens."""
     n, max_q, max_kv = meta.num_requests, meta.max_q, meta.max_kv
     num_heads, head_dim = q.shape[1], q.shape[2]
     device = q.device

@@ -94,12 +94,18 @@ class StepBuffers:
     Device views (each contiguous): anchor / ctx / live / seed_lo / seed_hi / top_k / rule / slot / host [B]
     int64, block_tables [B, max_pages] int64, budget [] int64, temperature / top_p [B] float32, context [B, C].
     On CUDA two pinned stagings alternate: a step is staged while the previous one's copy may still be queued
-    behind the running step (the engine launches step t + 1 before it reads step t)."""
+    behind the running step (the engine launches step t + 1 before it reads step t).
+
+    `max_kv` (max_pages x page_size) is the static key width that captured steps attend over. Eager steps
+    (`bounded`: the CPU, or CUDA with graphs off) attend over the live context instead (`kv_width`): the
+    portable attention path gathers and masks `max_kv` keys per request, so a static width would make every
+    eager step cost max_model_len (issue 24)."""
 
     def __init__(self, size: int, max_pages: int, num_context: int, page_size: int, device: torch.device,
-                 dummy_slot: int = 0) -> None:
+                 dummy_slot: int = 0, bounded: bool = False) -> None:
         self.size, self.max_pages, self.page_size, self.max_kv = size, max_pages, page_size, max_pages * page_size
-        self.num_context, self.dummy_slot = num_context, dummy_slot
+        self.num_context, self.dummy_slot, self.bounded = num_context, dummy_slot, bounded
+        self.ctx_bound: int | None = None  # host bound of the staged step's longest start ctx (`fill`), if known
         b = size
         self.n_int, self.n_float = size * (len(INT_FIELDS) + max_pages) + 1, size * (len(FLOAT_FIELDS) + num_context)
         on_cpu = device.type == "cpu"
@@ -120,13 +126,19 @@ class StepBuffers:
 
     def fill(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
              budget: int, context: np.ndarray | None, slots: list[int] | None = None,
-             host: list[bool] | None = None) -> None:
+             host: list[bool] | None = None, ctx_bound: int | None = None) -> None:
         """Stage one step's inputs on the host and copy them to the device (non-blocking from pinned memory).
 
         sampling[i] = (seed_lo, seed_hi, top_k, rule, temperature, top_p) of request i; slots[i] its row of the
         device state (default: the dummy row) and host[i] whether the staged anchor / ctx / context are current
-        (default: all). Padding rows get zeros (temperature 1, top_p 1), the dummy slot and scratch-page tables."""
+        (default: all). Padding rows get zeros (temperature 1, top_p 1), the dummy slot and scratch-page tables.
+        `ctx_bound` bounds every row's start ctx (the device state's for rows not current on the host): an
+        eager step on CUDA attends over that many keys plus its block (`kv_width`); None: all rows current
+        on the host give it, else the static `max_kv`."""
         n, b, f = len(anchors), self.size, len(INT_FIELDS)
+        if ctx_bound is None and (host is None or all(host)):
+            ctx_bound = max(ctx, default=0)
+        self.ctx_bound = ctx_bound
         staging = self.stagings[self._turn]
         self._turn = (self._turn + 1) % len(self.stagings)
         if staging.pending:  # NOTE: its previous copy must have left before it is overwritten
@@ -170,6 +182,23 @@ class StepBuffers:
         return SamplingRows(self.rule == RULE_GREEDY, self.temperature, self.top_k, self.top_p, self.seed_lo,
                             self.seed_hi, backend)
 
+    def kv_width(self, width: int) -> int:
+        """The key width (`AttentionMetadata.max_kv`) of a step of `width` rows per request over the resolved
+        buffers: the static `max_kv` unless `bounded`; else the longest start ctx plus `width`, rounded up to
+        the page size (at most `max_kv`). On the CPU the resolved ctx is read (exact, no synchronisation);
+        on CUDA the host's `ctx_bound` is used (reading the device would wait for the step before)."""
+        if not self.bounded:
+            return self.max_kv
+        if self.ctx.device.type == "cpu":
+            longest = int(self.ctx.max())
+            assert self.ctx_bound is None or longest <= self.ctx_bound, \
+                f"a row's device ctx {longest} exceeds the host's bound {self.ctx_bound} (eager CUDA would drop keys)"
+        elif self.ctx_bound is not None:
+            longest = self.ctx_bound
+        else:
+            return self.max_kv
+        return min(self.max_kv, -(-(longest + width) // self.page_size) * self.page_size)
+
 
 class DeviceState:
     """Per-request decode state on the device, one row per engine slot (+ a dummy row for padding): the next
@@ -192,9 +221,10 @@ class DeviceState:
             self.history.index_fill_(0, slots, 0.0)
 
 
-def block_metadata(buf: StepBuffers, width: int, causal: bool) -> AttentionMetadata:
+def block_metadata(buf: StepBuffers, width: int, causal: bool, max_kv: int | None = None) -> AttentionMetadata:
     """`width` rows per request right after its context, computed on the device from the buffers (DFlash's
-    verification rows or target-only rows when causal, the drafter's block rows when not)."""
+    verification rows or target-only rows when causal, the drafter's block rows when not). `max_kv` bounds
+    every request's ctx + width (default: the buffers' static `max_kv`; eager steps pass `kv_width`)."""
     n, device = buf.size, buf.ctx.device
     rows = torch.arange(n * width, device=device)
     row_req, row_local = rows // width, rows % width
@@ -203,7 +233,7 @@ def block_metadata(buf: StepBuffers, width: int, causal: bool) -> AttentionMetad
     return AttentionMetadata(
         row_req=row_req, row_local=row_local, positions=positions,
         slot_mapping=pages * buf.page_size + positions % buf.page_size, kv_lens=buf.ctx + width,
-        block_tables=buf.block_tables, max_q=width, max_kv=buf.max_kv, causal=causal,
+        block_tables=buf.block_tables, max_q=width, max_kv=buf.max_kv if max_kv is None else max_kv, causal=causal,
         query_starts=torch.arange(n, device=device) * width, query_lens=torch.full_like(buf.ctx, width))
 
 
@@ -231,6 +261,7 @@ class BucketStep:
         self.num_rows = budget_rows(b, self.width, runner.budget_ratio) if kind.mode == "dscale" else self.width * b
         self.call: GraphedCall | None = None
         self.features: torch.Tensor | None = None
+        self.max_kv = buffers.max_kv  # key width of the step's metadata: static when captured, else `kv_width`
 
     # ---- the three parts
     def draft(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Policy | None]:
@@ -242,7 +273,7 @@ class BucketStep:
         b, w = buf.size, self.width
         block = torch.full((b, w), r.drafter.config.mask_token_id, dtype=torch.long, device=buf.ctx.device)
         block[:, 0] = buf.anchor
-        meta = block_metadata(buf, w, causal=False)
+        meta = block_metadata(buf, w, causal=False, max_kv=self.max_kv)
         # NOTE: drafts, features and greedy acceptance read the model's dtype directly (an exact upcast away).
         logits, hidden = r.drafter.propose(block, r.target, meta, r.drafter_caches, float_logits=False)
         q = None
@@ -264,13 +295,13 @@ class BucketStep:
             features = acceptance_features(r.feature_spec, logits, hidden, r.projection, buf.context, r.features_backend)
         if kind.mode != "dscale":
             return Decision(torch.full_like(buf.ctx, w), torch.arange(b, device=block.device) * w, block.reshape(-1),
-                            block_metadata(buf, w, causal=True), features)
+                            block_metadata(buf, w, causal=True, max_kv=self.max_kv), features)
         scores = r.predictor.scores(features)  # [B, W-1]
         lens = allocate(scores, seed_lengths(scores, w), buf.live > 0, buf.budget)
         packed = flat_pack(lens, block, buf.ctx, buf.block_tables, self.num_rows, buf.page_size)
         # NOTE: max_q = W bounds the live requests; placeholders (num_rows > M_live) share local slots up to W - 1
         # (flat_pack), and the Triton kernels skip pseudo-request rows past W: their outputs are never read.
-        meta = packed_metadata(packed, buf.ctx, buf.block_tables, buf.max_kv, w)
+        meta = packed_metadata(packed, buf.ctx, buf.block_tables, self.max_kv, w)
         live_rows = lens.sum().view(1)
         meta.query_lens = torch.cat([lens, self.num_rows - live_rows])
         meta.query_starts = torch.cat([packed.verify_offsets, live_rows])
@@ -303,7 +334,7 @@ class BucketStep:
         if kind.retention:
             # Full-width verification first, only to measure what DVL keeps: the same draws decide it, and the
             # packed pass below rewrites the K/V it shares with it.
-            meta = block_metadata(buf, w, causal=True)
+            meta = block_metadata(buf, w, causal=True, max_kv=self.max_kv)
             logits, _ = r.target(block.reshape(-1), meta, r.target_caches, None, (), float_logits=False)
             full_accepted = self._accept(logits, meta, block, q, torch.full_like(buf.ctx, w),
                                          torch.arange(b, device=block.device) * w)[0]
@@ -351,6 +382,7 @@ class BucketStep:
     # ---- running
     def step(self) -> torch.Tensor:
         self.resolve()
+        self.max_kv = self.buf.kv_width(self.width)  # NOTE: the static max_kv under graphs (no host read)
         block, logits, hidden, q = self.draft()
         decision = self.decide(block, logits, hidden)
         result = self.verify(block, q, decision)
@@ -425,6 +457,9 @@ class StepRunner:
         self.last_key: tuple[int, StepKind] | None = None  # the (bucket, kind) of the latest step
         # DScale's measured policy (`prepare` with graphs): bucket -> 'dscale' or 'dflash', and the step times
         self.state = DeviceState(max_batch, feature_spec.num_context, self.device, with_history=mode == "dscale")
+        # Launched steps of each device-state row whose results the host has not read yet (`PendingStep.result`):
+        # each may have advanced the row's ctx by up to a block, the bound of eager steps' keys (`launch`).
+        self.unread = np.zeros(max_batch + 1, dtype=np.int64)
         self.measured_policy = measured_policy and mode == "dscale" and use_graphs
         # The engine may switch a bucket between its DFlash and DScale steps by live acceptance (`live_modes`).
         self.live_policy = live_policy and self.measured_policy
@@ -467,7 +502,7 @@ class StepRunner:
     def _buffers(self, size: int) -> StepBuffers:
         if size not in self.buffers:
             self.buffers[size] = StepBuffers(size, self.max_pages, self.feature_spec.num_context, self.page_size,
-                                             self.device, dummy_slot=self.state.dummy)
+                                             self.device, dummy_slot=self.state.dummy, bounded=not self.use_graphs)
         return self.buffers[size]
 
     def get(self, size: int, kind: StepKind) -> BucketStep:
@@ -546,16 +581,29 @@ class StepRunner:
                host: list[bool] | None = None) -> "PendingStep":
         """Start one decode step of n live requests (`kind.mode` from `mode_for(n)`): fill, replay, and queue the
         copy of its results to the host; `PendingStep.result()` reads them. Rows with host[i] false start from
-        the device state of slots[i] (the request's previous step, launched but not read)."""
+        the device state of slots[i] (the request's previous step, launched but not read).
+
+        Eager steps attend over the live context: a row current on the host starts at ctx[i]; one that is not
+        starts at most a block per launched, unread step of its slot past ctx[i], its length on the host (which
+        counts every step the host has read; `DeviceState.start` writes that length)."""
         n = len(anchors)
         size = self.bucket(n)
         step = self.get(size, kind)
         self.last_key = (size, kind)
         rows = budget_rows(n, self.block_size, self.budget_ratio) if kind.mode == "dscale" else step.width * n
-        step.buf.fill(anchors, ctx, pages, sampling, rows, context, slots, host)
+        bound, unread = None, None
+        if not self.use_graphs:
+            read = np.asarray(slots if slots is not None else [self.state.dummy] * n, dtype=np.int64)
+            ahead = 0 if host is None else self.unread[read] * ~np.asarray(host, dtype=bool)
+            bound = int((np.asarray(ctx, dtype=np.int64) + ahead * self.block_size).max(initial=0))
+            unread = (self.unread, read)
+        step.buf.fill(anchors, ctx, pages, sampling, rows, context, slots, host, bound)
         result = step()
+        if unread is not None:
+            np.add.at(self.unread, unread[1], 1)
         features = step.features[:n].float() if step.features is not None else None
-        return PendingStep(n, rows, kind, AsyncRead(result), AsyncRead(features) if features is not None else None)
+        return PendingStep(n, rows, kind, AsyncRead(result), AsyncRead(features) if features is not None else None,
+                           unread)
 
     def run(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
             kind: StepKind, context: np.ndarray | None = None) -> StepResult:
@@ -591,10 +639,15 @@ class PendingStep:
     kind: StepKind
     out: AsyncRead
     features: AsyncRead | None
+    unread: tuple[np.ndarray, np.ndarray] | None = None  # (the runner's unread counts, this step's slots)
 
     def result(self) -> StepResult:
         n = self.num_live
         host = self.out.get()[:n].tolist()  # NOTE: the one device-to-host read of the step
+        if self.unread is not None:
+            counts, slots = self.unread
+            np.subtract.at(counts, slots, 1)
+            self.unread = None
         features = self.features.get() if self.features is not None else None
         retention = self.kind.retention
         return StepResult([h[0] for h in host], [h[1] for h in host], [h[2] for h in host],

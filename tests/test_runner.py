@@ -40,8 +40,8 @@ LENGTHS = [6, 17, 11, 3, 25, 9]  # requests finish at different steps: n walks d
 
 
 def run(pair, predictor, mode, buckets=None, params=None, **config):
-    cfg = EngineConfig(mode=mode, max_running_requests=6, max_model_len=96, dtype="float32", graph_buckets=buckets,
-                       **config)
+    cfg = EngineConfig(**{"mode": mode, "max_running_requests": 6, "max_model_len": 96, "dtype": "float32",
+                          "graph_buckets": buckets, **config})
     engine = Engine.from_pretrained(pair[0], pair[1] if mode != "target" else None,
                                     predictor=predictor if mode == "dscale" else None, config=cfg, keep_history=True)
     params = params or [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in LENGTHS]
@@ -89,6 +89,56 @@ def test_prepare_builds_every_bucket_and_mode_a_batch_can_need(pair, predictor):
     assert len(runner.steps) == 5 * len(modes)
     assert runner.steps[(6, StepKind("dscale"))].num_rows == 48
     assert runner.steps[(4, StepKind("dflash"))].num_rows == 64
+
+
+@pytest.mark.parametrize("mode", ["target", "dflash", "dscale"])
+def test_eager_steps_attend_over_the_live_context(pair, predictor, mode, monkeypatch):
+    """Issue 24: an eager decode step's attention width (`AttentionMetadata.max_kv`) follows the live context,
+    not max_pages x page_size (max_model_len), under the overlap schedule too (rows that start from the device
+    state: the host's bound holds, at most a block loose), and decodes what the static width decodes, greedy
+    and seeded-sampled."""
+    import dscale_runtime.kernels as kernels
+    from dscale_runtime.runner import BucketStep, StepBuffers
+
+    params = [SamplingParams(temperature=1.0 if i % 2 else 0, max_tokens=m, ignore_eos=True, seed=i)
+              for i, m in enumerate(LENGTHS)]
+    widths, bounds, stepping = [], [], [False]
+    attention, kv_width, bucket_step = kernels.paged_attention_ref, StepBuffers.kv_width, BucketStep.step
+
+    def recording_attention(q, k_cache, v_cache, meta, page_size, scale):
+        assert int(meta.kv_lens.max()) <= meta.max_kv  # no visible key is cut off
+        if stepping[0]:
+            widths.append(meta.max_kv)
+        return attention(q, k_cache, v_cache, meta, page_size, scale)
+
+    def recording_width(buf, width):
+        bounds.append((buf.ctx_bound, int(buf.ctx.max()), bool((buf.host == 0).any())))
+        return kv_width(buf, width)
+
+    def recording_step(step):
+        stepping[0] = True
+        try:
+            return bucket_step(step)
+        finally:
+            stepping[0] = False
+
+    monkeypatch.setattr(kernels, "paged_attention_ref", recording_attention)
+    monkeypatch.setattr(StepBuffers, "kv_width", recording_width)
+    monkeypatch.setattr(BucketStep, "step", recording_step)
+    got, engine = run(pair, predictor, mode, params=params, max_model_len=1024)
+    runner = engine.runner
+    static = runner.buffers[runner.buckets[-1]].max_kv
+    assert static >= 1024 and widths
+    longest = max(len(p) + m for p, m in zip(PROMPTS, LENGTHS)) + 2 * runner.block_size
+    assert max(widths) <= -(-longest // 16) * 16 < static // 8
+    assert any(ahead for _, _, ahead in bounds), "no step started from the device state"
+    for bound, exact, ahead in bounds:
+        assert bound is not None and exact <= bound <= exact + (runner.block_size if ahead else 0)
+    monkeypatch.setattr(StepBuffers, "kv_width", lambda buf, width: buf.max_kv)  # the static width (before)
+    widths.clear()
+    want, _ = run(pair, predictor, mode, params=params, max_model_len=1024)
+    assert set(widths) == {static}
+    assert got == want
 
 
 @needs_triton

@@ -61,8 +61,9 @@ def packed_metadata(packed: PackedBatch, ctx_lens: torch.Tensor, block_tables: t
                     max_q: int) -> AttentionMetadata:
     """Causal attention metadata over the packed rows: N requests plus one pseudo request for placeholders.
 
-    `max_q` (>= every k_i and the placeholder count) and `max_kv` are host-side bounds, so building this
-    needs no device-to-host read of the chosen lengths."""
+    `max_q` (>= every k_i and the placeholder count) and `max_kv` (>= every ctx_i + k_i) are host-side bounds,
+    so building this needs no device-to-host read of the chosen lengths: a captured step passes its static
+    width, an eager one the live context's (`StepBuffers.kv_width`; the portable path's cost follows it)."""
     n = ctx_lens.shape[0]
     tables = torch.cat([block_tables, torch.full_like(block_tables[:1], SCRATCH_PAGE)])
     kv_lens = torch.cat([ctx_lens + packed.verify_lens, torch.ones_like(ctx_lens[:1])])
