@@ -42,6 +42,7 @@ on the GPU image, which lacks jsonargparse (hence argparse).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -818,8 +819,6 @@ def derived(entry: dict, n: int, shape: str = TARGET_SHAPE) -> dict:
 def run_benchmark(args) -> dict:
     run = Run(args)
     cuda = torch.device(args.device).type == "cuda"
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
     run.log(f"device {run.result['env']['device']}, shapes {args.shapes}, N {args.ns}, sections {args.sections}")
     run.result["ceilings"] = run.section("ceilings", lambda: ceilings(args.device, quick=not cuda))
     run.log(f"ceilings {run.result['ceilings']}")
@@ -1086,13 +1085,26 @@ def main(argv: list[str] | None = None):
     if argv and argv[0] == "project":
         return project_main(argv[1:])
     args = parse_args(argv)
-    threads = torch.get_num_threads()
-    if args.tiny and torch.device(args.device).type == "cpu":
-        torch.set_num_threads(1)  # NOTE: tiny tensors: more threads only add waits (seconds on a busy machine)
-    try:
+    with benchmark_settings(args.device, args.tiny):
         return run_benchmark(args)
+
+
+@contextlib.contextmanager
+def benchmark_settings(device: str, tiny: bool):
+    """The process-wide torch settings of a run, restored on exit (the tests call `main` in-process, and every
+    later test must see the settings it started with): TF32 for fp32 matmuls on CUDA (the models run in bf16),
+    one CPU thread for the tiny CPU run."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), torch.get_num_threads())
+    try:
+        if torch.device(device).type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+        elif tiny:
+            torch.set_num_threads(1)  # NOTE: tiny tensors: more threads only add waits (seconds on a busy machine)
+        yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_float32_matmul_precision(saved[1])
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        torch.set_num_threads(saved[2])
 
 
 if __name__ == "__main__":
