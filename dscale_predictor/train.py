@@ -14,6 +14,7 @@ config, the report and the artifacts.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -95,7 +96,24 @@ class TrainConfig:
 
 
 def train(cfg: TrainConfig) -> dict | None:
-    """Train, evaluate and export; returns the report (None on the other ranks of a multi-device run)."""
+    """Train, evaluate and export; returns the report (None on the other ranks of a multi-device run).
+
+    Lightning's `deterministic=True` turns on torch's deterministic algorithms and sets CUBLAS_WORKSPACE_CONFIG
+    for the whole process; both are put back when training ends, so a caller's process (a notebook, the tests,
+    a collection followed by training) keeps the settings it had."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    try:
+        return _train(cfg)
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        if saved[2] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[2]
+
+
+def _train(cfg: TrainConfig) -> dict | None:
     import lightning as L
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
