@@ -53,7 +53,8 @@ def _settings() -> dict[str, tuple]:
         return (lambda: getattr(obj, name)), (lambda value: setattr(obj, name, value))
 
     def legacy(get, set_):
-        """torch raises on a legacy TF32 read once the fp32_precision API set something else: a value too."""
+        """A legacy TF32 getter, which torch makes raise once the fp32_precision API set a conflicting value:
+        that reads as UNREADABLE (a change too) and is not restored through the legacy setter."""
         def read():
             try:
                 return get()
@@ -100,7 +101,8 @@ def _settings() -> dict[str, tuple]:
                                                             b.cuda.enable_mem_efficient_sdp),
         "torch.backends.cuda.math_sdp_enabled()": (b.cuda.math_sdp_enabled, b.cuda.enable_math_sdp),
         "torch.get_default_dtype()": (torch.get_default_dtype, torch.set_default_dtype),
-        "torch.get_default_device()": (torch.get_default_device, torch.set_default_device),
+        "torch.get_default_device()": (torch.get_default_device, lambda device: torch.set_default_device(
+            None if device == torch.device("cpu") else device)),  # NOTE: None drops the device mode altogether
         "torch.get_num_threads()": (torch.get_num_threads, torch.set_num_threads),
         "torch.is_grad_enabled()": (torch.is_grad_enabled, torch.set_grad_enabled),
         "torch.is_anomaly_enabled()": (torch.is_anomaly_enabled, torch.set_anomaly_enabled),
