@@ -47,6 +47,10 @@ FALLBACK_PROBE = 16
 (`Engine._mode_for`): a fallen-back bucket still speculates, DScale and DFlash both stay measured."""
 ACCEPTANCE_WEIGHT = 0.05
 """Weight of each step in the running mean of live acceptance (about the last 20 steps)."""
+TARGET_PROBE = 8 * FALLBACK_PROBE
+"""While speculation pays, every this-many-th step may run a target-only step, to keep its live time current."""
+STEP_TIME_WEIGHT = 0.1
+"""Weight of each step in the running mean of a bucket's live step time per mode (about the last 10 of them)."""
 
 
 class Engine:
@@ -149,6 +153,11 @@ class Engine:
             live_policy=config.dscale_policy == "live" and not config.measure_retention)
         self.live_acceptance: dict[str, float] = {}
         """Running mean of accepted drafts per request-step, per speculative step ('dflash', 'dscale')."""
+        self.live_step_ms: dict[tuple[int, str], float] = {}
+        """(bucket, step mode) -> running mean of its steps' device time (ms) while serving: the actual batch's
+        kinds (sampled ones cost more than the greedy steps timed at start-up) at its actual context lengths."""
+        self.time_live_steps = self.runner.use_graphs
+        """Whether committed steps update `live_step_ms` (captured steps: their start-up times exist to start from)."""
         self._live_steps = 0
         self._last_run: dict[str, int] = {}
         """Step mode -> `_live_steps` when it last ran (the live choice probes the one run least recently)."""
@@ -539,14 +548,17 @@ class Engine:
         """The step a batch of n runs: the runner's (DScale's measured policy), or, among the steps the runner
         timed at start-up for the bucket (`StepRunner.live_modes`: DFlash and DScale with `dscale_policy`
         'live', the target-only step with `target_fallback`), the one with the most expected tokens per second:
-        (1 + live accepted drafts per request-step) / step time, 1 / step time for target-only. Every
+        (1 + live accepted drafts per request-step) / step cost, 1 / step cost for target-only, the costs being
+        the steps' live device times where they have run (`step_costs`). Every
         `FALLBACK_PROBE`-th step runs the speculative step other than the best that ran least recently (one
-        never run, as soon as the first has an estimate), so every estimate follows the traffic."""
+        never run, as soon as the first has an estimate), so every estimate follows the traffic; with live
+        times a target-only step is probed too, once per bucket and then every `TARGET_PROBE`-th step."""
         mode = self.runner.mode_for(n)
         modes = self.runner.live_modes(n) if not self.step_observers else [mode]
         if len(modes) < 2:
             return mode
-        times = self.runner.policy_ms[self.runner.bucket(n)]
+        bucket = self.runner.bucket(n)
+        times = self.step_costs(bucket, modes)
         rates = {m: (1 + self.live_acceptance[m] if m != "target" else 1) / times[m]
                  for m in modes if m == "target" or m in self.live_acceptance}
         best = max(rates, key=lambda m: (rates[m], m == mode)) if mode in rates else mode
@@ -554,12 +566,30 @@ class Engine:
             self._live_steps += 1
             others = [m for m in modes if m not in (best, "target")]
             unknown = [m for m in others if m not in self.live_acceptance]
+            # NOTE: a target step gains one token: it is probed only for its live time, once per bucket (as soon as
+            # the best step has one there) and then every TARGET_PROBE-th step
+            target_probe = self.time_live_steps and best != "target" and "target" in modes
             if unknown and mode in rates:  # NOTE: a step never measured runs once the first one has an estimate
                 best = unknown[0]
-            elif others and self._live_steps % FALLBACK_PROBE == 0:
-                best = min(others, key=lambda m: self._last_run.get(m, -1))
+            elif target_probe and (bucket, "target") not in self.live_step_ms and (bucket, best) in self.live_step_ms:
+                best = "target"
+            elif self._live_steps % FALLBACK_PROBE == 0:
+                if target_probe and self._live_steps % TARGET_PROBE == 0:
+                    others.append("target")
+                if others:
+                    best = min(others, key=lambda m: self._last_run.get(m, -1))
             self._last_run[best] = self._live_steps
         return best
+
+    def step_costs(self, bucket: int, modes: list[str]) -> dict[str, float]:
+        """The cost (ms) of each step mode in `bucket` that the live choice compares: its live device time
+        (`live_step_ms`) once it has run there, else its start-up time (`StepRunner.policy_ms`) scaled by the
+        live / start-up ratio of the modes that have run in the bucket (1 before any has), so that start-up
+        and live times compare on one scale."""
+        start = self.runner.policy_ms[bucket]
+        live = {m: self.live_step_ms[bucket, m] for m in modes if (bucket, m) in self.live_step_ms}
+        scale = float(np.mean([live[m] / start[m] for m in live])) if live else 1.0
+        return {m: live.get(m, start[m] * scale) for m in modes}
 
     def _decode(self, requests: list[Request]) -> list[Request]:
         """Launch one decode step of the running batch through the runner; its host commit is queued
@@ -598,6 +628,11 @@ class Engine:
             full = result.accepted  # a full-width step retains everything
         self._record(requests, result.accepted, result.verify_lens, result.num_rows, full)
         self.counters.steps_by_mode[mode] = self.counters.steps_by_mode.get(mode, 0) + 1
+        if self.time_live_steps and result.device_ms is not None and self.runner.policy_ms:
+            key = (self.runner.bucket(len(requests)), mode)
+            old = self.live_step_ms.get(key)
+            self.live_step_ms[key] = result.device_ms if old is None else \
+                old + STEP_TIME_WEIGHT * (result.device_ms - old)
         if mode != "target" and result.accepted:
             mean = sum(result.accepted) / len(result.accepted)
             old = self.live_acceptance.get(mode)

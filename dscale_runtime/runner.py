@@ -25,6 +25,7 @@ slot, so they survive graphs, padding and batch composition.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -425,6 +426,7 @@ class StepResult:
     drafts: list[list[int]]  # [n][W] anchor + drafts of each request
     num_rows: int  # M_live
     features: torch.Tensor | None  # [n, spec.width] float32 on the CPU (traced steps)
+    device_ms: float | None = None  # the step's device time: CUDA events around its copies and replay (CPU: wall)
 
 
 class StepRunner:
@@ -597,13 +599,20 @@ class StepRunner:
             ahead = 0 if host is None else self.unread[read] * ~np.asarray(host, dtype=bool)
             bound = int((np.asarray(ctx, dtype=np.int64) + ahead * self.block_size).max(initial=0))
             unread = (self.unread, read)
+        on_cuda = self.device.type == "cuda"
+        # NOTE: stream-ordered: the start event fires when the device reaches this step (after the one before it)
+        started = torch.cuda.Event(enable_timing=True) if on_cuda else None
+        if started is not None:
+            started.record()
+        wall = time.perf_counter()
         step.buf.fill(anchors, ctx, pages, sampling, rows, context, slots, host, bound)
         result = step()
         if unread is not None:
             np.add.at(self.unread, unread[1], 1)
         features = step.features[:n].float() if step.features is not None else None
-        return PendingStep(n, rows, kind, AsyncRead(result), AsyncRead(features) if features is not None else None,
-                           unread)
+        out = AsyncRead(result, timing=on_cuda)
+        return PendingStep(n, rows, kind, out, AsyncRead(features) if features is not None else None, unread,
+                           started if on_cuda else 1000 * (time.perf_counter() - wall))
 
     def run(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
             kind: StepKind, context: np.ndarray | None = None) -> StepResult:
@@ -615,13 +624,13 @@ class AsyncRead:
     """A device tensor's copy to the host, queued now (pinned memory, non-blocking) and waited for by `get()`;
     on the CPU the tensor itself (an eager step's outputs are fresh tensors)."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, timing: bool = False) -> None:
         if tensor.device.type == "cpu":
             self.host, self.done = tensor, None
             return
         self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         self.host.copy_(tensor, non_blocking=True)
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event(enable_timing=timing)
         self.done.record()
 
     def get(self) -> torch.Tensor:
@@ -640,10 +649,13 @@ class PendingStep:
     out: AsyncRead
     features: AsyncRead | None
     unread: tuple[np.ndarray, np.ndarray] | None = None  # (the runner's unread counts, this step's slots)
+    started: "torch.cuda.Event | float | None" = None  # CUDA: the event before the step's copies; CPU: its wall ms
 
     def result(self) -> StepResult:
         n = self.num_live
         host = self.out.get()[:n].tolist()  # NOTE: the one device-to-host read of the step
+        device_ms = self.started.elapsed_time(self.out.done) if isinstance(self.started, torch.cuda.Event) \
+            else self.started
         if self.unread is not None:
             counts, slots = self.unread
             np.subtract.at(counts, slots, 1)
@@ -651,4 +663,5 @@ class PendingStep:
         features = self.features.get() if self.features is not None else None
         retention = self.kind.retention
         return StepResult([h[0] for h in host], [h[1] for h in host], [h[2] for h in host],
-                          [h[3] for h in host] if retention else None, [h[4:] for h in host], self.num_rows, features)
+                          [h[3] for h in host] if retention else None, [h[4:] for h in host], self.num_rows, features,
+                          device_ms)

@@ -178,6 +178,45 @@ def test_target_fallback_switches_by_live_acceptance_and_changes_no_token(pair, 
     assert steps["target"] <= before["target"] + 1 and steps[mode] > before[mode] + 20
 
 
+def timed_steps(engine, device_ms: dict[str, float]):
+    """Let a CPU engine's committed steps report these device times per step mode (what CUDA events measure on a
+    GPU), so that the live choice compares them instead of the start-up times."""
+    engine.time_live_steps = True
+    launch = engine.runner.launch
+
+    def timed(*args, **kwargs):
+        pending = launch(*args, **kwargs)
+        pending.started = device_ms[args[4].mode]  # kind: the fifth positional argument
+        return pending
+
+    engine.runner.launch = timed
+    return engine
+
+
+def test_target_fallback_follows_live_step_times_and_changes_no_token(pair, plain_reference):  # noqa: F811
+    """Start-up times say a DFlash step costs a target step, so any acceptance would pay; the live times say it
+    costs four (sampled kinds, longer contexts): with a random drafter the engine falls back to target-only steps
+    by the live times, its estimates shown as `live_step_ms`, and the output is target-only's."""
+    prompts, params, want = plain_reference
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=6, chunked_prefill_tokens=0), 1.0, 1.0)
+    timed_steps(engine, {"dflash": 4.0, "target": 1.0})
+    assert_same(engine.generate(prompts, params), want)
+    steps = engine.counters.steps_by_mode
+    assert steps.get("target", 0) > 4 * steps.get("dflash", 0) > 0, steps
+    assert {m for _, m in engine.live_step_ms} == {"dflash", "target"}
+    assert all(engine.live_step_ms[b, m] == pytest.approx(4.0 if m == "dflash" else 1.0) for b, m in engine.live_step_ms)
+    bucket = next(b for b, _ in engine.live_step_ms)
+    assert engine.step_costs(bucket, ["dflash", "target"]) == pytest.approx({"dflash": 4.0, "target": 1.0})
+
+
+def test_step_costs_scale_start_up_times_of_steps_not_run_live(pair):  # noqa: F811
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=6), 1.0, 2.0)
+    bucket = engine.runner.buckets[0]
+    assert engine.step_costs(bucket, ["dflash", "target"]) == {"dflash": 2.0, "target": 1.0}  # nothing live yet
+    engine.live_step_ms[bucket, "dflash"] = 3.0  # 1.5x its start-up time: the target step's estimate scales alike
+    assert engine.step_costs(bucket, ["dflash", "target"]) == pytest.approx({"dflash": 3.0, "target": 1.5})
+
+
 def test_target_fallback_keeps_speculating_when_drafts_are_accepted(pair):  # noqa: F811
     from test_engine import oracle_setup
 

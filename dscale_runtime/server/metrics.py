@@ -121,6 +121,12 @@ class _ScrapeCollector:
         for mode, accepted in sorted(getattr(engine, "live_acceptance", {}).items()):
             live.add_metric([model, mode], 1.0 + accepted)
         yield live
+        step_ms = GaugeMetricFamily("dscale_live_step_ms", "Running mean of a bucket's decode step device time (ms) "
+                                    "per step mode while serving (the live choice's costs; captured steps only).",
+                                    labels=["model_name", "bucket", "step"])
+        for (bucket, mode), ms in sorted(getattr(engine, "live_step_ms", {}).items()):
+            step_ms.add_metric([model, str(bucket), mode], ms)
+        yield step_ms
         cache = getattr(engine, "prefix_cache_stats", {})
         if cache:
             yield counter("dscale_prefix_cache_queries", "Prefix-cache lookups (one per admission).", cache["queries"])

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# dscale-serve on the demo pair, measured by dscale-bench, as users run it (issues 24 and 25): one server per
+# configuration below, each swept by dscale-bench --url over concurrency 1, 8, 32 at three sampling points
+# (greedy; T = 1; T = 0.7 / top_p 0.8), one pass of >= MIN_S seconds per point after 8 warm-up requests.
+# Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S)
+# Writes OUT_DIR/<config>/<point>/bench.{json,csv} and server logs; then prints one table of every point
+# (benchmarks/serve_sweep_summary.py, also written to OUT_DIR/summary.json).
+set -uo pipefail
+out=${1:?usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]}
+device=${2:-cuda}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+concurrency=${CONCURRENCY:-1,8,32}
+min_s=${MIN_S:-5}
+# name:server flags (the mode included); the flags are dscale-serve's
+configs=${CONFIGS:-"target:--mode target;dflash:--mode dflash;dscale:--mode dscale;dscale-live:--mode dscale --dscale-policy live --target-fallback true"}
+# name:bench sampling flags
+points=${POINTS:-"greedy:--temperature 0;t1:--temperature 1;t07p08:--temperature 0.7 --top-p 0.8"}
+running=$(tr ',' '\n' <<<"$concurrency" | sort -n | tail -1)
+IFS=';' read -ra config_list <<<"$configs"
+IFS=';' read -ra point_list <<<"$points"
+for entry in "${config_list[@]}"; do
+  name=${entry%%:*} flags=${entry#*:}
+  port=$(python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  mkdir -p "$out/$name"
+  # shellcheck disable=SC2086
+  python -m dscale_runtime.server.main $flags --device "$device" --port "$port" --max-running-requests "$running" \
+    --log-level info >"$out/$name/server.log" 2>&1 &
+  pid=$!
+  start=$(date +%s.%N)
+  until python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=5).status_code != 200)" 2>/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null; then echo "server $name exited:"; tail -30 "$out/$name/server.log"; continue 2; fi
+    sleep 0.5
+  done
+  echo "[sweep] $name ($flags) up in $(python -c "print(round($(date +%s.%N) - $start, 1))") s"
+  for p in "${point_list[@]}"; do
+    pname=${p%%:*} pflags=${p#*:}
+    # shellcheck disable=SC2086
+    python -m dscale_runtime.bench --url "http://127.0.0.1:$port" --concurrency "$concurrency" --num-requests 64 \
+      --warmup 8 --repetitions 1 --min-duration-s "$min_s" --max-tokens 64 $pflags \
+      --output "$out/$name/$pname" 2>&1 | grep -E "^\[dscale-bench\].*pass|Error|error" | sed "s/^/[$name $pname] /"
+  done
+  python -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics', timeout=30).text)" >"$out/$name/metrics.txt"
+  kill "$pid"; wait "$pid" 2>/dev/null
+done
+python benchmarks/serve_sweep_summary.py "$out"

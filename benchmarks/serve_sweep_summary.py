@@ -1,0 +1,58 @@
+"""One table over a benchmarks/serve_sweep_gpu.sh run: output tokens/s of every server configuration at every
+sampling point and concurrency, each relative to the best configuration there and to target-only, with the
+TTFT p99 / median and the pass duration of each point; the decode steps by mode each server ran (/metrics).
+Usage: python benchmarks/serve_sweep_summary.py OUT_DIR  (writes OUT_DIR/summary.json)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def steps_by_mode(metrics: Path) -> dict[str, float]:
+    if not metrics.is_file():
+        return {}
+    pattern = re.compile(r'^dscale_decode_steps_by_step_total\{[^}]*step="(\w+)"\} ([0-9.e+]+)$')
+    return {m.group(1): float(m.group(2)) for m in map(pattern.match, metrics.read_text().splitlines()) if m}
+
+
+def main(out: Path) -> dict:
+    rows = {}  # (point, concurrency) -> config -> figures
+    steps = {}
+    for config in sorted(p for p in out.iterdir() if p.is_dir()):
+        steps[config.name] = steps_by_mode(config / "metrics.txt")
+        for bench in sorted(config.glob("*/bench.json")):
+            for point in json.loads(bench.read_text())["points"]:
+                figures = {"tok_s": point["median"]["output_throughput"],
+                           "ttft_p99_over_median": point["pooled"]["ttft_p99_over_median"],
+                           "duration_s": point["median"]["duration"], "requests": point["median"]["requests"],
+                           "accept_len": point["median"]["mean_acceptance_length"]}
+                rows.setdefault((bench.parent.name, point["concurrency"]), {})[config.name] = figures
+    configs = sorted({c for row in rows.values() for c in row})
+    print("| point | c | " + " | ".join(f"{c} tok/s (x best, x target)" for c in configs)
+          + " | TTFT p99/p50 (max) | pass s (min) |")
+    print("| --- | --- | " + " | ".join("---" for _ in configs) + " | --- | --- |")
+    for (point, c), row in sorted(rows.items()):
+        best = max(f["tok_s"] for f in row.values())
+        target = row.get("target", {}).get("tok_s")
+        cells = []
+        for name in configs:
+            f = row.get(name)
+            if f is None:
+                cells.append("-")
+                continue
+            cells.append(f"{f['tok_s']:.0f} ({f['tok_s'] / best:.2f}, {f['tok_s'] / target:.2f})" if target else
+                         f"{f['tok_s']:.0f} ({f['tok_s'] / best:.2f})")
+        worst_ttft = max(f["ttft_p99_over_median"] for f in row.values())
+        shortest = min(f["duration_s"] for f in row.values())
+        print(f"| {point} | {c} | " + " | ".join(cells) + f" | {worst_ttft:.2f} | {shortest:.1f} |")
+    print("\ndecode steps by mode per server:", json.dumps(steps))
+    summary = {"points": {f"{p}/c{c}": row for (p, c), row in sorted(rows.items())}, "steps_by_mode": steps}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
