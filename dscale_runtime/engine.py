@@ -282,8 +282,10 @@ class Engine:
             if predictor is None:
                 raise ValueError("EngineConfig.mode='dscale' needs predictor=PATH (an artifact from dscale-train)")
             identity = pair_identity(target_model.config, drafter_model.config)
+            # NOTE: the spec scores the drafter's own W - 1 draft slots (DFlash 2 checkpoints may set W = 8)
             kwargs["predictor"], kwargs["hidden_projection"] = load_predictor(
-                predictor, identity, device=config.device, drafter_folder=drafter)
+                predictor, identity, FeatureSpec(num_positions=drafter_model.config.block_size - 1),
+                device=config.device, drafter_folder=drafter)
         if torch.device(config.device).type == "cuda":  # NOTE: fewer, larger GEMMs; CPU keeps the plain layout
             target_model.fuse_projections()
             if drafter_model is not None:

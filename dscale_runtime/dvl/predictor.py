@@ -60,13 +60,18 @@ def seed_lengths(scores: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def pair_identity(target: Qwen3Config, drafter: DFlashConfig) -> dict:
     """What an artifact must agree on with the models it runs beside."""
-    return {
+    identity = {
         "target": {"hidden_size": target.hidden_size, "num_hidden_layers": target.num_hidden_layers,
                    "vocab_size": target.vocab_size},
         "drafter": {"hidden_size": drafter.layers.hidden_size, "num_hidden_layers": drafter.layers.num_hidden_layers,
                     "block_size": drafter.block_size, "target_layer_ids": list(drafter.target_layer_ids),
                     "mask_token_id": drafter.mask_token_id},
     }
+    if drafter.dflash2 is not None:
+        # NOTE: a DFlash 2 drafter's features read its selector's scores: a DFlash 1 predictor (no such key) is
+        # refused beside it. DFlash 1 identities keep their keys, so existing artifacts still load.
+        identity["drafter"]["architecture"] = drafter.architecture
+    return identity
 
 
 def predictor_artifact(model: AcceptancePredictor, identity: dict, projection: torch.Tensor,

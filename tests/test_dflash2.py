@@ -1,0 +1,239 @@
+"""DFlash 2 drafters (issue 26): loading z-lab's layout, the drafter step against z-lab's `DFlash2DraftModel`
+(PyPI `dflash` 0.1.0, the oracle), and lossless decoding over it (DFlash and DScale, greedy and sampled).
+
+Checkpoints are written by the tests (`checkpoints.write_drafter2`) and loaded by z-lab's own `from_pretrained`
+as well as ours, so the layout itself is checked against the reference.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+
+import pytest
+import torch
+
+from checkpoints import write_drafter, write_drafter2, write_target
+from dscale_runtime.attention import build_metadata
+from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.engine import Engine
+from dscale_runtime.kv_cache import PagedKVCache
+from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
+from dscale_runtime.dvl.predictor import AcceptancePredictor, pair_identity, predictor_artifact
+from dscale_runtime.models.config import CheckpointError, load_drafter_config, load_target_config
+from dscale_runtime.models.dflash2 import DFlash2DraftModel
+from dscale_runtime.models.loader import load_drafter, load_target
+
+zlab = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
+
+PAGE = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on one thread: on this file's sizes torch's CPU threads only contend with each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+SCALED = {"output_multiplier": 0.7, "final_logit_softcapping": 4.0, "input_embedding_scale": 1.5}
+
+
+@pytest.fixture(scope="module", params=[(8, 96, 16, None), (16, 16, 8, None), (8, 16, 8, SCALED)],
+                ids=["W8-V96-K16", "W16-V16-K8", "W8-scaled"])
+def pair2(request, tmp_path_factory):
+    """(block size, vocabulary, selector top-k, extra dflash_config): the small vocabulary makes random drafts
+    accepted more often; the scaled drafter sets z-lab's logit multiplier, soft cap and embedding scale."""
+    w, vocab, top_k, extra = request.param
+    root = tmp_path_factory.mktemp(f"dflash2-w{w}")
+    write_target(root / "target", layers=4, vocab=vocab)
+    write_drafter2(root / "drafter", block_size=w, seed=3, target_layer_ids=(0, 2, 3), vocab=vocab,
+                   mask_token_id=vocab - 1, selector_top_k=top_k, dflash_extra=extra)
+    return root / "target", root / "drafter"
+
+
+def _reference(folder):
+    model, info = zlab.DFlash2DraftModel.from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
+def _hf_target(folder):
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def test_drafter_step_equals_zlab_in_a_packed_batch(pair2):
+    """Hidden states, candidates and the greedy path of every request of one packed forward (ragged contexts,
+    pages out of order) equal z-lab's drafter run on that request alone."""
+    target_dir, drafter_dir = pair2
+    ref, hf = _reference(drafter_dir), _hf_target(target_dir)
+    target = load_target(target_dir, "float32")
+    ours = load_drafter(drafter_dir, target.config, "float32")
+    assert isinstance(ours, DFlash2DraftModel)
+    w, mask, k = ref.block_size, ref.mask_token_id, ref.candidate_selector.top_k
+    assert ours.config.block_size == w and ours.config.dflash2.selector_top_k == k
+    gen = torch.Generator().manual_seed(0)
+    ctx_lens = [5, 13, 1, 9]
+    prompts = [torch.randint(0, mask, (c,), generator=gen) for c in ctx_lens]
+    anchors = torch.randint(0, mask, (len(ctx_lens),), generator=gen)
+    lc = ours.config.layers
+    pages_per = [-(-(c + w) // PAGE) for c in ctx_lens]
+    cache = PagedKVCache(lc.num_hidden_layers, 1 + sum(pages_per), PAGE, lc.num_key_value_heads, lc.head_dim,
+                         torch.float32, "cpu")
+    free = list(range(sum(pages_per), 0, -1))  # NOTE: descending page ids: every table out of order
+    tables = [[free.pop(0) for _ in range(k)] for k in pages_per]
+    want = []
+    for prompt, anchor, table in zip(prompts, anchors, tables):
+        out = hf(prompt[None], output_hidden_states=True)
+        feats = zlab.extract_context_feature(out.hidden_states, ref.target_layer_ids)  # [1, c, L * d]
+        block = torch.tensor([[int(anchor)] + [mask] * (w - 1)])
+        c = prompt.shape[0]
+        scale = float(zlab._draft_value(ref.config, "input_embedding_scale", 1.0))
+        hidden = ref(target_hidden=feats, noise_embedding=zlab._raw_input_embeddings(hf, block, scale),
+                     position_ids=torch.arange(c + w)[None])[:, 1:]
+        path, candidates, _ = ref.propose(hidden, block[:, 0], hf.lm_head, 0.0)
+        logits = ref.compute_logits(hidden, hf.lm_head)
+        want.append((hidden[0], candidates[0], path[0], logits[0].argmax(-1)))
+        positions = torch.arange(c)
+        slots = torch.tensor(table)[positions // PAGE] * PAGE + positions % PAGE
+        ours.inject_context(feats[0], positions, slots, cache.layers)
+    block = torch.full((len(ctx_lens), w), mask)
+    block[:, 0] = anchors
+    meta = build_metadata([w] * len(ctx_lens), ctx_lens, tables, PAGE, "cpu", causal=False)
+    scores, hidden, q = ours.propose_walk(block, target, meta, cache.layers)
+    assert q is None and scores.shape == (len(ctx_lens), w - 1, k)
+    overturned = 0
+    for i, (ref_hidden, ref_candidates, ref_path, top1) in enumerate(want):
+        torch.testing.assert_close(hidden[i], ref_hidden, atol=2e-5, rtol=1e-5, msg=f"request {i}")
+        ours_candidates = ours.head_logits(hidden[i : i + 1], target)[0].topk(k, dim=-1).indices
+        assert torch.equal(ours_candidates.sort(-1).values, ref_candidates.sort(-1).values), f"request {i}"
+        assert torch.equal(block[i, 1:], ref_path), f"request {i}"
+        overturned += int((ref_path != top1).sum())
+    assert overturned > 0, "the selector must overturn some top-1 logit for the test to mean anything"
+
+
+@torch.no_grad()
+def test_greedy_generation_equals_zlab_step_for_step(pair2, monkeypatch):
+    """Our engine's greedy DFlash 2 decoding (fp32) equals z-lab's `dflash_generate`: tokens and the accepted
+    length of every step; and target-only decoding token for token."""
+    target_dir, drafter_dir = pair2
+    ref, hf = _reference(drafter_dir), _hf_target(target_dir)
+    monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # NOTE: its stats time with CUDA syncs
+    w = ref.block_size
+    prompts = [[3, 7, 12, 5, 9], [6, 2], [11] * 12]
+    new = 24
+    cfg = EngineConfig(mode="dflash", dtype="float32", max_model_len=128, max_running_requests=4)
+    engine = Engine.from_pretrained(target_dir, drafter_dir, config=cfg)
+    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    target_only = Engine.from_pretrained(target_dir, None, config=EngineConfig(
+        mode="target", dtype="float32", max_model_len=128)).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    accepted_total = 0
+    for prompt, got, plain in zip(prompts, outputs, target_only):
+        assert got.token_ids == plain.token_ids
+        # NOTE: z-lab shortens its last blocks near max_length; running it 2W further keeps every block we
+        # compare full width, as ours always are.
+        stats = zlab.dflash_generate(ref, hf, torch.tensor([prompt]), new + 2 * w, None, temperature=0.0,
+                                     return_stats=True)
+        assert stats.output_ids[0, len(prompt) : len(prompt) + new].tolist() == got.token_ids
+        steps = got.stats.accepted_lens
+        assert [a + 1 for a in steps] == stats.acceptance_lengths[: len(steps)]
+        accepted_total += sum(steps)
+    assert accepted_total > 0, "drafts must be accepted for the comparison to mean anything"
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _edit(folder, edit):
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+def test_loader_dispatches_on_the_architecture_and_refuses_unread_or_missing_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write_target(tmp_path / "t")
+    tcfg = load_target_config(tmp_path / "t")
+    one = load_drafter(write_drafter(tmp_path / "d1", block_size=8), tcfg, "float32")
+    assert type(one).__name__ == "DFlashDraftModel" and one.config.dflash2 is None
+    folder = write_drafter2(tmp_path / "d2", block_size=8)
+    two = load_drafter(folder, tcfg, "float32")
+    assert isinstance(two, DFlash2DraftModel) and two.config.block_size == 8
+
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    # an nn.Embedding-style export of the codebooks (`.weight`) is the same tensor ...
+    renamed = {(k + ".weight" if k.endswith("codebook") else k): v for k, v in tensors.items()}
+    save_file(renamed, str(weights))
+    again = load_drafter(folder, tcfg, "float32")
+    assert torch.equal(again.candidate_selector.successor_codebook, two.candidate_selector.successor_codebook)
+    # ... but never both at once
+    save_file({**tensors, **{k: v.clone() for k, v in renamed.items()}}, str(weights))
+    with pytest.raises(CheckpointError, match="predecessor_codebook.weight"):
+        load_drafter(folder, tcfg, "float32")
+    # a missing convolution tensor is named
+    save_file({k: v for k, v in tensors.items() if k != "layers.1.mlp_conv.base_kernel"}, str(weights))
+    with pytest.raises(CheckpointError, match="layers.1.mlp_conv.base_kernel"):
+        load_drafter(folder, tcfg, "float32")
+    # DFlash 2 tensors under a DFlash 1 config would be left unread: refused with the reason
+    save_file(tensors, str(weights))
+    _edit(folder, lambda c: c.__setitem__("architectures", ["DFlashDraftModel"]))
+    with pytest.raises(CheckpointError, match="DFlash2DraftModel"):
+        load_drafter(folder, tcfg, "float32")
+    # a DFlash 2 config without its selector fields names the field
+    _edit(folder, lambda c: (c.__setitem__("architectures", ["DFlash2DraftModel"]),
+                             c["dflash_config"].pop("selector_rank")))
+    with pytest.raises(CheckpointError, match="selector_rank"):
+        load_drafter(folder, tcfg, "float32")
+    _edit(folder, lambda c: c["dflash_config"].update(selector_rank=8, conv_group_size=5))
+    with pytest.raises(CheckpointError, match="conv_group_size"):
+        load_drafter(folder, tcfg, "float32")
+
+
+def save_predictor(folder, pair_paths, seed=0):
+    """An untrained (seeded random) predictor artifact over the pair's W - 1 draft slots."""
+    tcfg, dcfg = load_target_config(pair_paths[0]), load_drafter_config(pair_paths[1])
+    torch.manual_seed(seed)
+    model = AcceptancePredictor(FeatureSpec(num_positions=dcfg.block_size - 1))
+    path = folder / f"predictor-{seed}.pt"
+    torch.save(predictor_artifact(model, pair_identity(tcfg, dcfg), hidden_projection(model.spec, tcfg.hidden_size)),
+               path)
+    return path
+
+
+def test_a_dflash1_predictor_is_refused_beside_a_dflash2_drafter(pair2, tmp_path):
+    target_dir, drafter_dir = pair2
+    vocab = load_target_config(target_dir).vocab_size
+    stale = save_predictor(tmp_path, (target_dir, write_drafter(
+        tmp_path / "d1", block_size=load_drafter_config(drafter_dir).block_size, vocab=vocab,
+        mask_token_id=vocab - 1, target_layer_ids=(0, 2, 3))))
+    with pytest.raises(ValueError, match="architecture=None"):
+        Engine.from_pretrained(target_dir, drafter_dir, predictor=stale,
+                               config=EngineConfig(mode="dscale", max_model_len=64))
+
+
+# ---------------------------------------------------------------------------------------------- lossless
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_dscale_over_dflash2_greedy_equals_target_only(pair2, tmp_path, ratio):
+    target_dir, drafter_dir = pair2
+    predictor = save_predictor(tmp_path, pair2)
+    prompts = [[1 + (i * 7 + j) % 12 for j in range(1 + i % 9)] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = Engine.from_pretrained(target_dir, None, config=EngineConfig(mode="target", max_model_len=64)).generate(
+        prompts, params)
+    engine = Engine.from_pretrained(target_dir, drafter_dir, predictor=predictor, config=EngineConfig(
+        mode="dscale", max_model_len=64, budget_ratio=ratio, max_running_requests=12, full_width_max_batch=0))
+    got = engine.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    w = engine.block_size
+    c = engine.counters
+    assert c.verify_rows < (ratio + 0.1) * w * c.request_steps, "the budget must cut verification rows"
+    lens = collections.Counter(k for o in got for k in o.stats.verify_lens)
+    assert len(lens) > 2, f"the predictor must spread verify lengths, got {dict(lens)}"
