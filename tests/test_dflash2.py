@@ -237,3 +237,77 @@ def test_dscale_over_dflash2_greedy_equals_target_only(pair2, tmp_path, ratio):
     assert c.verify_rows < (ratio + 0.1) * w * c.request_steps, "the budget must cut verification rows"
     lens = collections.Counter(k for o in got for k in o.stats.verify_lens)
     assert len(lens) > 2, f"the predictor must spread verify lengths, got {dict(lens)}"
+
+
+# ---------------------------------------------------------------------------------------------- sampled, exact
+@pytest.fixture(scope="module")
+def small_pair2(tmp_path_factory):
+    """Vocabulary 8, the selector's top 4: the residual max(p - q, 0) keeps mass outside the candidates."""
+    root = tmp_path_factory.mktemp("small2")
+    write_target(root / "target", vocab=8, hidden=32, seed=5)
+    write_drafter2(root / "drafter", vocab=8, mask_token_id=7, seed=6, selector_top_k=4)
+    return root / "target", root / "drafter"
+
+
+SAMPLED = [  # (mode, sampling_rule, budget_ratio, params)
+    ("dflash", "sampled", 0.5, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True)),
+    ("dflash", "top1", 0.5, SamplingParams(temperature=0.8, top_k=5, max_tokens=3, ignore_eos=True)),
+    ("dscale", "sampled", 0.5, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)),
+    ("dscale", "sampled", 0.25, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=3, ignore_eos=True)),
+]
+
+
+@pytest.mark.parametrize("mode,rule,ratio,params", SAMPLED,
+                         ids=[f"{m}-{r}-{b}-T{p.temperature}-p{p.top_p}-k{p.top_k}" for m, r, b, p in SAMPLED])
+def test_sampled_dflash2_output_has_the_target_distribution(small_pair2, tmp_path, mode, rule, ratio, params):
+    """Drafts drawn from the selector's q over its candidates (or its greedy path under the top-1 rule), the
+    sparse q in verification: the output follows the target's exact sequence probabilities (chi-square), in
+    DFlash and in DScale over DFlash 2 at budgets 0.5 and 0.25."""
+    from test_sampling import PROMPT, exact_sequence_probs, goodness_of_fit
+
+    target, drafter = small_pair2
+    exact = exact_sequence_probs(target, params)
+    predictor = save_predictor(tmp_path, small_pair2, 3) if mode == "dscale" else None
+    cfg = EngineConfig(mode=mode, max_model_len=32, max_running_requests=256, seed=11, budget_ratio=ratio,
+                       sampling_rule=rule)
+    engine = Engine.from_pretrained(target, drafter, predictor=predictor, config=cfg)
+    outputs = engine.generate([PROMPT] * 2000, params)
+    kinds = {kind for _, kind in engine.runner.steps}
+    assert any(k.draft_sampling for k in kinds) == (rule == "sampled")
+    assert engine.counters.accepted_drafts > 300, "drafts must be accepted for the test to mean anything"
+    if mode == "dscale":
+        assert engine.counters.verify_rows <= ratio * 16 * engine.counters.request_steps + engine.counters.steps
+    p_value = goodness_of_fit(collections.Counter(tuple(o.token_ids) for o in outputs), exact)
+    assert p_value > 1e-3, f"{mode}/{rule} over DFlash 2 differs from the target's distribution (p={p_value:.3g})"
+
+
+@torch.no_grad()
+def test_sampled_walk_draws_from_the_selector_q_with_keyed_uniforms(pair2):
+    """A sampled walk at uniforms u picks, at every slot, the inverse-CDF choice of softmax(scores / T) over the
+    candidates; its q rows are those distributions; the same uniforms give the same path; greedy rows in the
+    same walk keep the greedy path."""
+    _, drafter_dir = pair2
+    target = load_target(pair2[0], "float32")
+    ours = load_drafter(drafter_dir, target.config, "float32")
+    sel, w = ours.candidate_selector, ours.config.block_size
+    gen = torch.Generator().manual_seed(1)
+    n, d, k = 6, ours.config.layers.hidden_size, sel.top_k
+    hidden = torch.randn(n, w - 1, d, generator=gen)
+    unary = torch.randn(n, w - 1, k, generator=gen) * 2
+    candidates = torch.stack([torch.randperm(target.config.vocab_size, generator=gen)[:k]
+                              for _ in range(n * (w - 1))]).view(n, w - 1, k)
+    anchors = torch.randint(0, target.config.vocab_size, (n,), generator=gen)
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.7, 1.0])
+    draw = torch.tensor([True, True, True, False, True, False])
+    u = torch.rand(n, w - 1, generator=gen, dtype=torch.float64)
+    path, scores, q = sel.walk(hidden, unary, candidates, anchors, temperature, draw, u)
+    greedy_path, greedy_scores, none = sel.walk(hidden, unary, candidates, anchors)
+    assert none is None
+    assert torch.equal(path[~draw], greedy_path[~draw]) and torch.equal(scores[~draw], greedy_scores[~draw])
+    torch.testing.assert_close(q, torch.softmax(scores.double() / temperature.double()[:, None, None], -1))
+    cdf = q.cumsum(-1)
+    index = (cdf < u[..., None] * cdf[..., -1:]).sum(-1).clamp(max=k - 1)
+    assert torch.equal(path[draw], candidates.gather(-1, index[..., None])[..., 0][draw])
+    again, _, _ = sel.walk(hidden, unary, candidates, anchors, temperature, draw, u)
+    assert torch.equal(again, path)
+    assert not torch.equal(path[draw], greedy_path[draw]), "some sampled slot must leave the greedy path"
