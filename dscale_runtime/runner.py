@@ -8,7 +8,8 @@ results are never read. Each bucket owns one `StepBuffers` (inputs at fixed addr
 staging copy per step); each (bucket, `StepKind`) owns one `BucketStep`, a pure tensor function of those
 buffers:
 
-    draft   drafter over B x W block rows -> draft tokens (argmax, or drawn from q for sampled-draft rows)
+    draft   drafter over B x W block rows -> draft tokens (argmax, or drawn from q for sampled-draft rows; a DFlash 2
+            drafter's candidate selector walks the slots instead, `models/dflash2.py`)
     decide  features -> predictor -> Algorithm 1 -> flat-pack (DScale), or the full-width layout
     verify  target over the M rows -> target tokens (argmax or keyed draws) -> acceptance (per-row rule)
             -> drafter-cache injection of the accepted rows -> one int64 result row per request

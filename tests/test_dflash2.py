@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from checkpoints import write_drafter, write_drafter2, write_target
+from markers import needs_cuda
 from dscale_runtime.attention import build_metadata
 from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.engine import Engine
@@ -311,3 +312,66 @@ def test_sampled_walk_draws_from_the_selector_q_with_keyed_uniforms(pair2):
     again, _, _ = sel.walk(hidden, unary, candidates, anchors, temperature, draw, u)
     assert torch.equal(again, path)
     assert not torch.equal(path[draw], greedy_path[draw]), "some sampled slot must leave the greedy path"
+
+
+# ---------------------------------------------------------------------------------------------- serving
+def test_dscale_serve_with_a_dflash2_drafter_answers_like_target_only(tmp_path):
+    """`dscale-serve --mode dscale --drafter <DFlash 2 folder> --predictor ...` (flags parsed as the command
+    does): greedy completions through the openai client equal target-only decoding."""
+    import openai
+
+    from dscale_runtime.server.config import ServeConfig
+    from dscale_runtime.server.flags import parse_config
+    from dscale_runtime.server.main import BackgroundServer, load_engine
+
+    write_target(tmp_path / "target", tokenizer=True)
+    write_drafter2(tmp_path / "drafter", block_size=8, seed=4)
+    predictor = save_predictor(tmp_path, (tmp_path / "target", tmp_path / "drafter"))
+    flags = ["--mode", "dscale", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+             "--predictor", str(predictor), "--max-model-len", "96", "--max-running-requests", "4", "--port", "0"]
+    config = parse_config(ServeConfig, "dscale-serve", flags)
+    engine = load_engine(config)
+    assert isinstance(engine.drafter, DFlash2DraftModel) and engine.block_size == 8
+    prompts = ["def f(x):", "class A:", "import os"]
+    want = Engine.from_pretrained(tmp_path / "target", config=EngineConfig(mode="target", max_model_len=96)).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    with BackgroundServer(engine, config) as server:
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for prompt, expected in zip(prompts, want):
+            answer = api.completions.create(model=config.model_name, prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert answer.choices[0].text == expected.text
+    assert engine.counters.request_steps > 0
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["dflash", "dscale"])
+def test_captured_dflash2_steps_equal_eager_steps(tmp_path, mode):
+    """Greedy, seeded T = 1 (sampled drafts: the selector's keyed draws and sparse q) and seeded T = 0.7 /
+    top_p 0.8 (top-1 rule) requests in one batch on CUDA (fp32): graphs on and off decode the same tokens, and
+    the greedy ones equal target-only decoding."""
+    write_target(tmp_path / "target", vocab=16)
+    write_drafter2(tmp_path / "drafter", vocab=16, mask_token_id=15, selector_top_k=8, seed=3)
+    predictor = save_predictor(tmp_path, (tmp_path / "target", tmp_path / "drafter")) if mode == "dscale" else None
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 15, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (12,))]
+    points = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)]
+    params = [SamplingParams(temperature=points[i % 3][0], top_p=points[i % 3][1], max_tokens=40, ignore_eos=True,
+                             seed=i) for i in range(len(prompts))]
+    tokens = {}
+    for graphs in (False, True):
+        cfg = EngineConfig(mode=mode, device="cuda", dtype="float32", max_model_len=128, step_graphs=graphs,
+                           max_running_requests=12, dscale_policy="always", target_fallback=False,
+                           overlap_schedule=False)
+        engine = Engine.from_pretrained(tmp_path / "target", tmp_path / "drafter", predictor, config=cfg)
+        tokens[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+        if graphs:
+            assert engine.runner.steps and all(s.call.graph is not None for s in engine.runner.steps.values())
+            assert any(kind.draft_sampling for _, kind in engine.runner.steps)
+        assert engine.counters.accepted_drafts > 0
+    assert tokens[True] == tokens[False]
+    plain = Engine.from_pretrained(tmp_path / "target", config=EngineConfig(
+        mode="target", device="cuda", dtype="float32", max_model_len=128)).generate(prompts[::3], params[::3])
+    assert tokens[True][::3] == [o.token_ids for o in plain]
