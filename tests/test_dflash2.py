@@ -23,7 +23,7 @@ from dscale_runtime.kv_cache import PagedKVCache
 from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, pair_identity, predictor_artifact
 from dscale_runtime.models.config import CheckpointError, load_drafter_config, load_target_config
-from dscale_runtime.models.dflash2 import DFlash2DraftModel
+from dscale_runtime.models.dflash2 import DFlash2DraftModel, walk_ref
 from dscale_runtime.models.loader import load_drafter, load_target
 
 zlab = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
@@ -311,6 +311,10 @@ def test_sampled_walk_draws_from_the_selector_q_with_keyed_uniforms(pair2):
     assert torch.equal(path[draw], candidates.gather(-1, index[..., None])[..., 0][draw])
     again, _, _ = sel.walk(hidden, unary, candidates, anchors, temperature, draw, u)
     assert torch.equal(again, path)
+    ref_path, ref_scores, ref_q = walk_ref(sel, hidden, unary, candidates, anchors, temperature, draw, u)
+    assert torch.equal(path, ref_path)
+    torch.testing.assert_close(scores, ref_scores, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, ref_q, atol=1e-6, rtol=1e-5)
     assert not torch.equal(path[draw], greedy_path[draw]), "some sampled slot must leave the greedy path"
 
 

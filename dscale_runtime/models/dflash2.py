@@ -112,22 +112,54 @@ class CandidateSelector(nn.Module):
         draw: torch.Tensor | None = None,  # [N] bool: rows that draw their path from q (None: all greedy)
         uniforms: torch.Tensor | None = None,  # [N, P] float64 keyed U[0, 1), one per slot
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """-> (path [N, P] token ids, scores [N, P, K] fp32, q [N, P, K] float64 when `draw` is given)."""
+        """-> (path [N, P] token ids, scores [N, P, K] fp32 along it, q [N, P, K] float64 when `draw` is given).
+
+        The predecessor of slot j is one of slot j-1's K candidates (the anchor at slot 0), so every score the
+        walk can need is computed at once, [N, P, K_prev, K], and so is every choice (argmax, or the keyed draw
+        from q): the walk itself is then P gathers, each slot's choice read at its predecessor's index."""
+        n, p, k = candidates.shape
         proj = self.hidden_projection(hidden)  # [N, P, r]
-        succ = self.successor_codebook[candidates]  # [N, P, K, r]
-        prev, path, scores, qs = anchors, [], [], []
-        for j in range(hidden.shape[1]):  # NOTE: a fixed-length tensor loop over the slots (capturable)
-            left = self.predecessor_codebook[prev] * proj[:, j]  # [N, r]
-            score = unary[:, j] + (succ[:, j] @ left[:, :, None])[..., 0].float()  # [N, K]
-            choice = score.argmax(dim=-1)
-            if draw is not None:
-                q = torch.softmax(score.double() / temperature.double().clamp_min(1e-6)[:, None], dim=-1)
-                choice = torch.where(draw, sample_inverse_cdf_ref(q, uniforms[:, j]), choice)
-                qs.append(q)
-            prev = candidates[:, j].gather(1, choice[:, None])[:, 0]
-            path.append(prev)
-            scores.append(score)
-        return torch.stack(path, 1), torch.stack(scores, 1), torch.stack(qs, 1) if qs else None
+        prev = torch.cat([anchors[:, None, None].expand(n, 1, k), candidates[:, :-1]], dim=1)  # [N, P, K_prev]
+        left = self.predecessor_codebook[prev] * proj[:, :, None, :]  # [N, P, K_prev, r]
+        right = self.successor_codebook[candidates]  # [N, P, K, r]
+        scores = unary[:, :, None, :] + (left @ right.transpose(-1, -2)).float()  # [N, P, K_prev, K]
+        choice = scores.argmax(dim=-1)  # [N, P, K_prev]
+        q = None
+        if draw is not None:
+            q = torch.softmax(scores.double() / temperature.double().clamp_min(1e-6)[:, None, None, None], dim=-1)
+            u = uniforms[:, :, None].expand(n, p, k).reshape(-1)
+            drawn = sample_inverse_cdf_ref(q.reshape(-1, k), u).view(n, p, k)
+            choice = torch.where(draw[:, None, None], drawn, choice)
+        at = torch.zeros(n, dtype=torch.long, device=candidates.device)  # slot 0: every K_prev row is the anchor's
+        chosen = []
+        for j in range(p):  # NOTE: a fixed-length chain of gathers over the slots (capturable)
+            at = choice[:, j].gather(1, at[:, None])[:, 0]
+            chosen.append(at)
+        chosen = torch.stack(chosen, 1)  # [N, P] candidate index of each slot's choice
+        before = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)[..., None, None]  # [N, P, 1, 1]
+        path = candidates.gather(2, chosen[..., None])[..., 0]
+        along = lambda t: t.gather(2, before.expand(n, p, 1, k))[:, :, 0]  # noqa: E731 - rows at the predecessors
+        return path, along(scores), along(q) if q is not None else None
+
+
+def walk_ref(selector: CandidateSelector, hidden, unary, candidates, anchors, temperature=None, draw=None,
+             uniforms=None):
+    """`CandidateSelector.walk` slot by slot, the score of each slot computed from the choice before it: the
+    portable definition and the oracle of the all-transitions form."""
+    proj = selector.hidden_projection(hidden)
+    prev, path, scores, qs = anchors, [], [], []
+    for j in range(hidden.shape[1]):
+        left = selector.predecessor_codebook[prev] * proj[:, j]  # [N, r]
+        score = unary[:, j] + (selector.successor_codebook[candidates[:, j]] @ left[:, :, None])[..., 0].float()
+        choice = score.argmax(dim=-1)
+        if draw is not None:
+            q = torch.softmax(score.double() / temperature.double().clamp_min(1e-6)[:, None], dim=-1)
+            choice = torch.where(draw, sample_inverse_cdf_ref(q, uniforms[:, j]), choice)
+            qs.append(q)
+        prev = candidates[:, j].gather(1, choice[:, None])[:, 0]
+        path.append(prev)
+        scores.append(score)
+    return torch.stack(path, 1), torch.stack(scores, 1), torch.stack(qs, 1) if qs else None
 
 
 class DFlash2DraftModel(DFlashDraftModel):
