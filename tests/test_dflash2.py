@@ -379,3 +379,32 @@ def test_captured_dflash2_steps_equal_eager_steps(tmp_path, mode):
     plain = Engine.from_pretrained(tmp_path / "target", config=EngineConfig(
         mode="target", device="cuda", dtype="float32", max_model_len=128)).generate(prompts[::3], params[::3])
     assert tokens[True][::3] == [o.token_ids for o in plain]
+
+
+def test_dscale_over_dflash2_reads_the_selector_scores(pair2, tmp_path, monkeypatch):
+    """The predictor's confidence columns come from the selector's scores along the walked path ([N, W-1, K]:
+    top score, its gaps, log q(best) at T = 1, entropy over the candidates), not from the drafter's V logits."""
+    import dscale_runtime.runner as runner_module
+    from dscale_runtime.dvl.features import confidence_features_ref
+
+    target_dir, drafter_dir = pair2
+    engine = Engine.from_pretrained(target_dir, drafter_dir, predictor=save_predictor(tmp_path, pair2),
+                                    config=EngineConfig(mode="dscale", max_model_len=64, max_running_requests=4))
+    walked, read = [], []
+    propose_walk = engine.drafter.propose_walk
+    monkeypatch.setattr(engine.drafter, "propose_walk", lambda *a, **kw: walked.append(propose_walk(*a, **kw))
+                        or walked[-1])
+    features = runner_module.acceptance_features
+    monkeypatch.setattr(runner_module, "acceptance_features",
+                        lambda spec, logits, *rest: read.append((logits, features(spec, logits, *rest))) or read[-1][1])
+    engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert walked and len(read) == len(walked)
+    k = engine.drafter.config.dflash2.selector_top_k
+    for (scores, _, _), (logits, row) in zip(walked, read):
+        assert logits is scores and scores.shape[-1] == k
+        spec = engine.feature_spec
+        assert torch.equal(row[:, : spec.num_confidence], confidence_features_ref(scores, spec.num_ranks))
+        chosen = scores.argmax(-1, keepdim=True)  # greedy: the walked token is the best-scored candidate
+        logq = torch.log_softmax(scores, -1).gather(-1, chosen)[..., 0]
+        per = row[:, : spec.num_confidence].view(row.shape[0], spec.num_positions, spec.per_position)
+        torch.testing.assert_close(per[..., spec.num_ranks], logq)
