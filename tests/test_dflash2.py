@@ -408,3 +408,29 @@ def test_dscale_over_dflash2_reads_the_selector_scores(pair2, tmp_path, monkeypa
         logq = torch.log_softmax(scores, -1).gather(-1, chosen)[..., 0]
         per = row[:, : spec.num_confidence].view(row.shape[0], spec.num_positions, spec.per_position)
         torch.testing.assert_close(per[..., spec.num_ranks], logq)
+
+
+def test_tensor_parallel_shards_keep_the_dflash2_parts_whole(tmp_path):
+    """Under tensor parallelism a rank's DFlash 2 drafter holds its heads' slices of the Qwen3 layers and the
+    whole of every DFlash 2 part (convolutions, selector): they act on the whole residual stream and the whole
+    vocabulary's logits, which every rank has (`parallel.py`)."""
+    from dscale_runtime.models.parallel import TensorParallel, shard_dim
+
+    write_target(tmp_path / "t")
+    folder = write_drafter2(tmp_path / "d", block_size=8)
+    tcfg = load_target_config(tmp_path / "t")
+    whole = dict(load_drafter(folder, tcfg, "float32").named_parameters())
+    parts = {}
+    for rank in range(2):
+        drafter = load_drafter(folder, tcfg.shard(2), "float32", tp=TensorParallel(None, rank, 2))
+        assert isinstance(drafter, DFlash2DraftModel) and drafter.config.layers.num_key_value_heads == 1
+        for name, p in drafter.named_parameters():
+            parts.setdefault(name, []).append(p)
+    dflash2 = [n for n in parts if "conv" in n or "candidate_selector" in n]
+    assert len(dflash2) == 2 * 2 * 2 + 3  # 2 layers x 2 convolutions x 2 tensors, 3 selector tensors
+    for name, pieces in parts.items():
+        dim = shard_dim(name)
+        if name in dflash2:
+            assert dim is None
+        joined = pieces[0] if dim is None else torch.cat(pieces, dim=dim)
+        assert all(torch.equal(p, whole[name]) for p in pieces) if dim is None else torch.equal(joined, whole[name])
