@@ -434,3 +434,78 @@ def test_tensor_parallel_shards_keep_the_dflash2_parts_whole(tmp_path):
             assert dim is None
         joined = pieces[0] if dim is None else torch.cat(pieces, dim=dim)
         assert all(torch.equal(p, whole[name]) for p in pieces) if dim is None else torch.equal(joined, whole[name])
+
+
+# ---------------------------------------------------------------------------------------------- Triton kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("taps,group", [(3, 8), (4, 16), (1, 32)])
+def test_triton_block_convolution_equals_the_reference(interpreter, dtype, taps, group):
+    """The one-launch convolution (Triton's interpreter on CPU) against `block_convolve_ref` on packed blocks,
+    the dynamic taps a strided view of a projection's output as the layers pass them: fp32 to rounding, bf16
+    within one ulp of the output (the few-term fp32 sum may be added in another order)."""
+    from dscale_runtime.kernels.triton_conv import block_convolve_triton
+    from dscale_runtime.models.dflash2 import block_convolve_ref
+
+    gen = torch.Generator().manual_seed(taps * group)
+    n, w, d = 3, 8, 96
+    x = torch.randn(n * w, d, generator=gen).to(dtype)
+    dynamic = torch.randn(n, w, 2, taps, d // group, generator=gen).to(dtype)[:, :, 1]  # [N, W, taps, G] strided
+    base = torch.randn(taps, d, generator=gen).to(dtype)
+    got = block_convolve_triton(x, dynamic, base, group)
+    want = block_convolve_ref(x.view(n, w, d), dynamic, base, group).view(n * w, d)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    # a block's first slots read zeros before it: changing another block's rows changes nothing here
+    other = x.clone()
+    other[w:] += 1.0
+    assert torch.equal(block_convolve_triton(other, dynamic, base, group)[:w], got[:w])
+
+
+@torch.no_grad()
+def test_drafter_with_triton_convolutions_matches_the_reference_path(pair2, interpreter):
+    """The whole DFlash 2 block forward with `fused='triton'` (its norms and convolutions through the
+    interpreted kernels) drafts what the portable path drafts."""
+    from dscale_runtime.kernels import KernelChoice
+
+    target_dir, drafter_dir = pair2
+    target = load_target(target_dir, "float32")
+    ours = load_drafter(drafter_dir, target.config, "float32", kernels=KernelChoice())
+    w, lc = ours.config.block_size, ours.config.layers
+    cache = PagedKVCache(lc.num_hidden_layers, 9, PAGE, lc.num_key_value_heads, lc.head_dim, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    tables, ctx = [[1, 2, 3, 4], [8, 7, 6, 5]], [7, 12]
+    block = torch.full((2, w), ours.config.mask_token_id)
+    block[:, 0] = torch.tensor([3, 5])
+    meta = lambda: build_metadata([w, w], ctx, tables, PAGE, "cpu", causal=False)  # noqa: E731
+    ref_block = block.clone()
+    ref_scores, ref_hidden, _ = ours.propose_walk(ref_block, target, meta(), cache.layers)
+    ours.use_kernels(KernelChoice(fused="triton"))
+    assert ours.layers[0].attention_conv.kernels.fused == "triton"
+    tri_block = block.clone()
+    tri_scores, tri_hidden, _ = ours.propose_walk(tri_block, target, meta(), cache.layers)
+    torch.testing.assert_close(tri_hidden, ref_hidden, atol=5e-5, rtol=1e-4)
+    assert torch.equal(tri_block, ref_block)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_block_convolution_equals_the_reference_at_qwen3_8b_width():
+    from dscale_runtime.kernels.triton_conv import block_convolve_triton
+    from dscale_runtime.models.dflash2 import block_convolve_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, w, d, taps, group = 32, 16, 4096, 4, 128
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(n * w, d, device="cuda", generator=gen).to(dtype)
+        dynamic = torch.randn(n, w, 2, taps, d // group, device="cuda", generator=gen).to(dtype)[:, :, 0]
+        base = torch.randn(taps, d, device="cuda", generator=gen).to(dtype)
+        got = block_convolve_triton(x, dynamic, base, group)
+        want = block_convolve_ref(x.view(n, w, d), dynamic, base, group).view(n * w, d)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)

@@ -25,6 +25,7 @@ from torch import nn
 
 from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.kernels import KernelChoice, fused
+from dscale_runtime.kernels.fused import fused_backend
 from dscale_runtime.models.config import DFlash2Config, DFlashConfig, Qwen3Config
 from dscale_runtime.models.dflash import DFlashDraftModel
 from dscale_runtime.models.layers import PORTABLE, KVLayerCache, Qwen3DecoderLayer
@@ -33,9 +34,10 @@ from dscale_runtime.sampling import sample_inverse_cdf_ref
 from dscale_runtime.verify import CandidatePolicy
 
 
-def block_convolve(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int) -> torch.Tensor:
+def block_convolve_ref(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int) -> torch.Tensor:
     """x [N, W, d], dynamic taps [N, W, taps, G], base taps [taps, d] -> [N, W, d]:
-    out[t, c] = sum_o (base[o, c] + dynamic[t, o, c // group_size]) * x[t - o, c], with x[t - o] = 0 for o > t."""
+    out[t, c] = sum_o (base[o, c] + dynamic[t, o, c // group_size]) * x[t - o, c], with x[t - o] = 0 for o > t.
+    The portable definition, and the oracle of the Triton kernel (`kernels/triton_conv.py`)."""
     n, w, d = x.shape
     taps, groups = base.shape[0], d // group_size
     # window k of slot t holds x[t - (taps - 1 - k)]: tap o = taps - 1 - k, so the taps are read reversed
@@ -45,12 +47,25 @@ def block_convolve(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, g
     return (weights * windows).sum(-1).view(n, w, d)
 
 
+def block_convolve(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int,
+                   backend: str = "ref") -> torch.Tensor:
+    """Block rows x [N * W, d] convolved (`block_convolve_ref`'s contract, dynamic [N, W, taps, G]) through the
+    path `backend` names (a KernelChoice's `fused`: 'triton' one launch, `kernels/triton_conv.py`)."""
+    if fused_backend(x, backend, dynamic, base) == "triton" and x.is_contiguous():
+        from dscale_runtime.kernels.triton_conv import block_convolve_triton
+
+        return block_convolve_triton(x, dynamic, base.contiguous(), group_size)
+    n, w = dynamic.shape[:2]
+    return block_convolve_ref(x.view(n, w, -1), dynamic, base, group_size).view_as(x)
+
+
 class GroupedDynamicCausalConv(nn.Module):
     """The pair of convolutions around one sub-layer (z-lab names: `base_kernel` [2, taps, d] for the prepare and
     finish sides, `kernel_projection` d -> 2 x taps x groups dynamic taps, projected from the sub-layer's input)."""
 
-    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, kernels: KernelChoice = PORTABLE) -> None:
         super().__init__()
+        self.kernels = kernels  # `fused` picks the convolution's path (see use_kernels)
         self.kernel_size, self.group_size = kernel_size, group_size
         self.groups = hidden_size // group_size
         self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
@@ -59,13 +74,12 @@ class GroupedDynamicCausalConv(nn.Module):
     def prepare(self, x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block rows x [N * W, d] -> (x convolved [N * W, d], the finish side's dynamic taps [N, W, taps, G])."""
         dynamic = self.kernel_projection(x).view(-1, width, 2, self.kernel_size, self.groups)
-        out = block_convolve(x.view(-1, width, x.shape[-1]), dynamic[:, :, 0], self.base_kernel[0], self.group_size)
-        return out.view_as(x), dynamic[:, :, 1]
+        out = block_convolve(x, dynamic[:, :, 0], self.base_kernel[0], self.group_size, self.kernels.fused)
+        return out, dynamic[:, :, 1]
 
     def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
         """The sub-layer's output y [N * W, d] convolved with the taps `prepare` returned."""
-        width = dynamic.shape[1]
-        return block_convolve(y.view(-1, width, y.shape[-1]), dynamic, self.base_kernel[1], self.group_size).view_as(y)
+        return block_convolve(y, dynamic, self.base_kernel[1], self.group_size, self.kernels.fused)
 
 
 class DFlash2DecoderLayer(Qwen3DecoderLayer):
@@ -74,8 +88,9 @@ class DFlash2DecoderLayer(Qwen3DecoderLayer):
     def __init__(self, cfg: Qwen3Config, conv: DFlash2Config, kernels: KernelChoice = PORTABLE,
                  tp: TensorParallel | None = None) -> None:
         super().__init__(cfg, kernels, tp)
-        self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, conv.conv_kernel_size, conv.conv_group_size)
-        self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, conv.conv_kernel_size, conv.conv_group_size)
+        self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, conv.conv_kernel_size, conv.conv_group_size,
+                                                       kernels)
+        self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, conv.conv_kernel_size, conv.conv_group_size, kernels)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVLayerCache,
                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
