@@ -20,7 +20,7 @@ from dscale_runtime.attention import build_metadata
 from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.engine import Engine
 from dscale_runtime.kv_cache import PagedKVCache
-from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
+from dscale_runtime.dvl.features import FEATURE_VERSION_DFLASH2, drafter_feature_spec, hidden_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, pair_identity, predictor_artifact
 from dscale_runtime.models.config import CheckpointError, load_drafter_config, load_target_config
 from dscale_runtime.models.dflash2 import DFlash2DraftModel, walk_ref
@@ -202,7 +202,7 @@ def save_predictor(folder, pair_paths, seed=0):
     """An untrained (seeded random) predictor artifact over the pair's W - 1 draft slots."""
     tcfg, dcfg = load_target_config(pair_paths[0]), load_drafter_config(pair_paths[1])
     torch.manual_seed(seed)
-    model = AcceptancePredictor(FeatureSpec(num_positions=dcfg.block_size - 1))
+    model = AcceptancePredictor(drafter_feature_spec(dcfg))
     path = folder / f"predictor-{seed}.pt"
     torch.save(predictor_artifact(model, pair_identity(tcfg, dcfg), hidden_projection(model.spec, tcfg.hidden_size)),
                path)
@@ -215,7 +215,7 @@ def test_a_dflash1_predictor_is_refused_beside_a_dflash2_drafter(pair2, tmp_path
     stale = save_predictor(tmp_path, (target_dir, write_drafter(
         tmp_path / "d1", block_size=load_drafter_config(drafter_dir).block_size, vocab=vocab,
         mask_token_id=vocab - 1, target_layer_ids=(0, 2, 3))))
-    with pytest.raises(ValueError, match="architecture=None"):
+    with pytest.raises(ValueError, match="DFlash 1 and DFlash 2"):
         Engine.from_pretrained(target_dir, drafter_dir, predictor=stale,
                                config=EngineConfig(mode="dscale", max_model_len=64))
 
@@ -509,3 +509,38 @@ def test_compiled_block_convolution_equals_the_reference_at_qwen3_8b_width():
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
         else:
             torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+
+
+# ---------------------------------------------------------------------------------------------- collect, train
+def test_collect_train_and_serve_over_a_dflash2_drafter(tmp_path):
+    """dscale-collect over a DFlash 2 drafter writes the DFlash 2 feature version; dscale-train on those traces
+    exports a predictor for that drafter; DScale with it decodes what target-only decodes."""
+    from dscale_predictor.train import TrainConfig, train
+    from trace_collection.collect import CollectConfig, collect
+    from trace_collection.sources import DatasetSpec
+
+    write_target(tmp_path / "target", tokenizer=True, vocab=24)
+    write_drafter2(tmp_path / "drafter", vocab=24, mask_token_id=23, selector_top_k=8, block_size=8)
+    rows = [{"id": f"p{i}", "prompt": "".join(chr(33 + (i * 5 + j) % 20) for j in range(3 + i % 7))}
+            for i in range(16)]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    manifest = collect(CollectConfig(
+        target=str(tmp_path / "target"), drafter=str(tmp_path / "drafter"), output=str(tmp_path / "traces"),
+        datasets=[DatasetSpec("jsonl", path=str(prompts), label="tiny")], concurrency=[4, 8], max_new_tokens=24,
+        chunk_prompts=8, max_model_len=96, progress=False))
+    assert manifest["feature_spec"]["version"] == FEATURE_VERSION_DFLASH2
+    assert manifest["feature_spec"]["num_positions"] == 7
+    train(TrainConfig(traces=str(tmp_path / "traces"), run_dir=str(tmp_path / "run"),
+                      artifacts_dir=str(tmp_path / "artifacts"), export_name="d2", max_epochs=2, batch_size=64,
+                      accelerator="cpu"))
+    artifact = tmp_path / "artifacts" / "d2.pt"
+    assert torch.load(artifact, weights_only=True)["identity"]["drafter"]["architecture"] == "DFlash2DraftModel"
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    heads = [r["prompt"] for r in rows[:6]]
+    want = Engine.from_pretrained(tmp_path / "target", config=EngineConfig(mode="target", max_model_len=96)).generate(
+        heads, params)
+    engine = Engine.from_pretrained(tmp_path / "target", tmp_path / "drafter", predictor=artifact,
+                                    config=EngineConfig(mode="dscale", max_model_len=96, max_running_requests=6))
+    assert engine.feature_spec.version == FEATURE_VERSION_DFLASH2
+    assert [o.token_ids for o in engine.generate(heads, params)] == [o.token_ids for o in want]

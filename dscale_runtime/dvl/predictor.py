@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dscale_runtime.dvl.features import FEATURE_VERSION, FeatureSpec, hidden_projection
+from dscale_runtime.dvl.features import FEATURE_VERSIONS, FeatureSpec, hidden_projection
 from dscale_runtime.models.config import DFlashConfig, Qwen3Config
 from dscale_runtime.models.loader import file_sha256
 
@@ -114,9 +114,13 @@ def load_predictor(path: str | Path, identity: dict | None = None, spec: Feature
         got = FeatureSpec.from_dict(art["feature_spec"])
     except (KeyError, TypeError) as exc:
         raise PredictorError(f"{path}: unreadable 'feature_spec' ({exc})") from exc
-    if got.version != FEATURE_VERSION:
-        raise PredictorError(f"{path}: feature spec version '{got.version}', this runtime computes '{FEATURE_VERSION}';"
+    if got.version not in FEATURE_VERSIONS:
+        raise PredictorError(f"{path}: feature spec version '{got.version}', this runtime computes {FEATURE_VERSIONS};"
                              " retrain the predictor on traces collected with this version")
+    if got.version != want.version:
+        raise PredictorError(f"{path}: trained on features '{got.version}', but this drafter's steps compute "
+                             f"'{want.version}' (DFlash 1 and DFlash 2 drafters differ); retrain the predictor on "
+                             "traces collected with this drafter")
     if got != want:
         raise PredictorError(f"{path}: feature spec {got.to_dict()} differs from the runtime's {want.to_dict()}")
     if identity is not None:
