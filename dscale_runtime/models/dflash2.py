@@ -11,10 +11,13 @@ The candidate selector (`CandidateSelector.walk`) turns the draft logits into a 
 logits of each draft slot are rescored left to right, score(c) = logit(c) + <pred[prev] * proj(h_j), succ[c]>
 with prev the token chosen at the slot before (the anchor at slot 1). Greedy rows take the best score; rows
 that sample their drafts draw from q = softmax(score / T) over the candidates at a keyed uniform (`sampling.py`,
-purpose DRAFT), temperature only, as z-lab's reference. The walk is a fixed loop over the W - 1 slots of
-tensor ops on all requests at once (capturable), never a host loop per request. Its scores are what DScale's
+purpose DRAFT), temperature only, as z-lab's reference. Every transition's score and choice is computed at once
+(a slot's predecessor is one of the K candidates before it), so the walk is a fixed chain of W - 1 gathers on all
+requests at once (capturable), never a host loop per request (`walk_ref`: slot by slot). Its scores are what DScale's
 confidence features read here (`acceptance_features` over [N, W - 1, K]: top score, its gaps, log q(best) at
-T = 1, entropy), and its q is the sparse draft policy of the sampled-drafts verification (`CandidatePolicy`).
+T = 1, entropy: feature version `dscale-features-dflash2-v1`), and its q is the sparse draft policy of the
+sampled-drafts verification (`CandidatePolicy`). The convolutions run in one Triton launch each when the
+KernelChoice's `fused` is 'triton' (`kernels/triton_conv.py`; `block_convolve_ref` is the definition).
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ class CandidateSelector(nn.Module):
         walk can need is computed at once, [N, P, K_prev, K], and so is every choice (argmax, or the keyed draw
         from q): the walk itself is then P gathers, each slot's choice read at its predecessor's index."""
         n, p, k = candidates.shape
-        proj = self.hidden_projection(hidden)  # [N, P, r]
+        # NOTE: 2-D rows: on a strided 3-D slice F.linear would read the weight once per request
+        proj = self.hidden_projection(hidden.reshape(n * p, -1)).view(n, p, -1)  # [N, P, r]
         prev = torch.cat([anchors[:, None, None].expand(n, 1, k), candidates[:, :-1]], dim=1)  # [N, P, K_prev]
         left = self.predecessor_codebook[prev] * proj[:, :, None, :]  # [N, P, K_prev, r]
         right = self.successor_codebook[candidates]  # [N, P, K, r]
