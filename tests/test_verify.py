@@ -122,7 +122,7 @@ def test_sampled_drafts_with_a_sparse_candidate_q_keep_the_target_distribution(k
     from dscale_runtime.verify import CandidatePolicy
 
     gen = torch.Generator().manual_seed(20 + k)
-    vocab, trials, top = 7, 60000, 3
+    vocab, trials, top = 7, 30000, 3
     p = torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, -1)
     tokens = torch.stack([torch.randperm(vocab, generator=gen)[:top] for _ in range(2)])  # [2 slots, 3]
     probs = torch.softmax(torch.randn(2, top, generator=gen, dtype=torch.float64), -1)
