@@ -25,7 +25,7 @@ import torch
 from dscale_runtime.attention import build_metadata, host_to_device
 from dscale_runtime.graphs import cuda_times
 from dscale_runtime.config import EngineConfig, RequestOutput, SamplingParams
-from dscale_runtime.dvl.features import FeatureSpec, context_features
+from dscale_runtime.dvl.features import FeatureSpec, context_features, drafter_feature_spec
 from dscale_runtime.dvl.features import hidden_projection as seeded_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity
 from dscale_runtime.kv_cache import PageAllocator, PagedKVCache
@@ -85,7 +85,9 @@ class Engine:
                 )
         self.capture_layers = tuple(drafter.config.target_layer_ids) if drafter is not None and config.mode != "target" else ()
         self.predictor = predictor
-        self.feature_spec = predictor.spec if predictor is not None else FeatureSpec(num_positions=self.block_size - 1)
+        self.feature_spec = predictor.spec if predictor is not None else (
+            drafter_feature_spec(drafter.config) if drafter is not None and config.mode != "target"
+            else FeatureSpec(num_positions=self.block_size - 1))
         self.hidden_projection = hidden_projection
         if config.mode == "dscale":
             if predictor is None or hidden_projection is None:
@@ -291,8 +293,10 @@ class Engine:
             if predictor is None:
                 raise ValueError("EngineConfig.mode='dscale' needs predictor=PATH (an artifact from dscale-train)")
             identity = pair_identity(target_model.config, drafter_model.config)
+            # NOTE: the drafter's own spec: its W - 1 draft slots (DFlash 2 may set W = 8), its feature version
             kwargs["predictor"], kwargs["hidden_projection"] = load_predictor(
-                predictor, identity, device=config.device, drafter_folder=drafter)
+                predictor, identity, drafter_feature_spec(drafter_model.config), device=config.device,
+                drafter_folder=drafter)
         if torch.device(config.device).type == "cuda":  # NOTE: fewer, larger GEMMs; CPU keeps the plain layout
             target_model.fuse_projections()
             if drafter_model is not None:

@@ -8,7 +8,8 @@ results are never read. Each bucket owns one `StepBuffers` (inputs at fixed addr
 staging copy per step); each (bucket, `StepKind`) owns one `BucketStep`, a pure tensor function of those
 buffers:
 
-    draft   drafter over B x W block rows -> draft tokens (argmax, or drawn from q for sampled-draft rows)
+    draft   drafter over B x W block rows -> draft tokens (argmax, or drawn from q for sampled-draft rows; a DFlash 2
+            drafter's candidate selector walks the slots instead, `models/dflash2.py`)
     decide  features -> predictor -> Algorithm 1 -> flat-pack (DScale), or the full-width layout
     verify  target over the M rows -> target tokens (argmax or keyed draws) -> acceptance (per-row rule)
             -> drafter-cache injection of the accepted rows -> one int64 result row per request
@@ -39,7 +40,7 @@ from dscale_runtime.dvl.predictor import seed_lengths
 from dscale_runtime.graphs import GraphedCall, cuda_times
 from dscale_runtime.kv_cache import SCRATCH_PAGE
 from dscale_runtime.sampling import COIN, DRAFT, RESIDUAL, Policy, SamplingRows, make_policy, sample, target_tokens
-from dscale_runtime.verify import accept_greedy, accept_sampled_drafts
+from dscale_runtime.verify import CandidatePolicy, accept_greedy, accept_sampled_drafts
 
 RULE_GREEDY, RULE_TOP1, RULE_SAMPLED = 0, 1, 2
 MODES = ("target", "dflash", "dscale")
@@ -265,9 +266,10 @@ class BucketStep:
         self.max_kv = buffers.max_kv  # key width of the step's metadata: static when captured, else `kv_width`
 
     # ---- the three parts
-    def draft(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Policy | None]:
-        """-> block tokens [B, W] (slot 0 = anchor), draft logits [B, W-1, V] (drafter dtype), drafter hidden
-        states [B, W-1, d], the drafter's policy q over the B x (W-1) draft slots (sampled-draft steps only)."""
+    def draft(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Policy | CandidatePolicy | None]:
+        """-> block tokens [B, W] (slot 0 = anchor), draft logits [B, W-1, V] (drafter dtype; DFlash 2: the
+        selector's scores [B, W-1, K]), drafter hidden states [B, W-1, d], the drafter's policy q over the
+        B x (W-1) draft slots (sampled-draft steps only)."""
         r, buf, kind = self.runner, self.buf, self.kind
         if kind.mode == "target":
             return buf.anchor.view(-1, 1), None, None, None
@@ -275,6 +277,17 @@ class BucketStep:
         block = torch.full((b, w), r.drafter.config.mask_token_id, dtype=torch.long, device=buf.ctx.device)
         block[:, 0] = buf.anchor
         meta = block_metadata(buf, w, causal=False, max_kv=self.max_kv)
+        if r.drafter.config.dflash2 is not None:
+            # DFlash 2: the selector's walk gives the drafts (greedy, or drawn from its q for sampled-draft rows),
+            # its scores [B, W-1, K] stand for the logits in the features, its sparse q for the drafter's policy.
+            draw = uniforms = None
+            if kind.draft_sampling:
+                draw = buf.rule == RULE_SAMPLED
+                positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)  # [B, W-1] the drafts' indices
+                uniforms = buf.sampling_rows(r.sampling_backend).uniforms(positions, DRAFT)
+            scores, hidden, q = r.drafter.propose_walk(block, r.target, meta, r.drafter_caches, buf.temperature, draw,
+                                                       uniforms)
+            return block, scores, hidden, q
         # NOTE: drafts, features and greedy acceptance read the model's dtype directly (an exact upcast away).
         logits, hidden = r.drafter.propose(block, r.target, meta, r.drafter_caches, float_logits=False)
         q = None
@@ -446,6 +459,8 @@ class StepRunner:
         self.capture_layers = tuple(drafter.config.target_layer_ids) if drafter is not None and mode != "target" else ()
         # NOTE: the confidence-feature path was chosen once with the drafter's kernels (its logits' device/dtype)
         self.features_backend = drafter.kernels.features if drafter is not None else "ref"
+        if drafter is not None and drafter.config.dflash2 is not None:
+            self.features_backend = "ref"  # NOTE: DFlash 2's features read K selector scores per slot, not V logits
         self.sampling_backend = target.kernels.fused  # the sampler's kernels: chunk sums, draws, inverse CDF
         self.device = torch.device(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)

@@ -14,14 +14,35 @@ Two exact rules:
 - sampled drafts (Leviathan et al. / Chen et al.; z-lab's reference): drafts drawn from the drafter's policy
   q, accepted with probability min(1, p(x) / q(x)); the successor after the first rejection comes from
   max(0, p - q) renormalised, and from the last row's p when every verified draft passed (`accept_sampled_drafts`).
+  q is a dense policy over the vocabulary (DFlash 1) or a sparse one over a few candidates per slot
+  (`CandidatePolicy`: DFlash 2's selector), scattered into the vocabulary for the residual.
 Prefix lengths never read the draws, so both rules keep the target's distribution at any budget.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dscale_runtime.sampling import Policy, sample_inverse_cdf
+
+
+@dataclass
+class CandidatePolicy:
+    """A draft policy over K candidates per row (DFlash 2's selector q), every other token at probability 0."""
+
+    probs: torch.Tensor  # [R, K] float64, each row sums to 1
+    tokens: torch.Tensor  # [R, K] int64 distinct token ids of each row
+
+    def probs_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """float64 q of tokens `cols` at rows `rows` (index tensors of one shape)."""
+        return (self.probs[rows] * (self.tokens[rows] == cols[..., None])).sum(-1)
+
+    def row_probs(self, rows: torch.Tensor, vocab: int) -> torch.Tensor:
+        """float64 q [n, V] of rows `rows` [n], scattered into the vocabulary."""
+        dense = torch.zeros(rows.shape[0], vocab, dtype=torch.float64, device=rows.device)
+        return dense.scatter_(1, self.tokens[rows], self.probs[rows])
 
 
 def _draft_rows(draft_tokens: torch.Tensor, verify_lens: torch.Tensor, verify_offsets: torch.Tensor, num_rows: int):
@@ -47,7 +68,7 @@ def accept_greedy(
 
 def accept_sampled_drafts(
     target: Policy,  # p at every verification row [M, V]
-    draft: Policy,  # q at each draft slot, rows n * (W-1) + j - 1 [N * (W-1), V]
+    draft: Policy | CandidatePolicy,  # q at each draft slot, rows n * (W-1) + j - 1 [N * (W-1), V or K]
     draft_tokens: torch.Tensor,  # [N, W] drafts drawn from q (slot 0 = anchor)
     target_tokens: torch.Tensor,  # [M] a draw from p at every row (the successor when every draft passes)
     verify_lens: torch.Tensor,  # [N]
@@ -71,7 +92,11 @@ def accept_sampled_drafts(
     slot = accepted.clamp(max=w - 2)  # the rejected draft's column
     p_row = target.row_weights(succ_rows) / target.total[succ_rows, None]  # [N, V]
     q_flat = q_rows.gather(1, slot[:, None])[:, 0]
-    residual = (p_row - draft.row_weights(q_flat) / draft.total[q_flat, None]).clamp_min(0)
+    if isinstance(draft, CandidatePolicy):
+        q_row = draft.row_probs(q_flat, p_row.shape[1])
+    else:
+        q_row = draft.row_weights(q_flat) / draft.total[q_flat, None]
+    residual = (p_row - q_row).clamp_min(0)
     # NOTE: p == q at that row makes a rejection impossible; the residual is then never used.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
     from_residual = sample_inverse_cdf(residual, residual_u, backend=backend)

@@ -93,3 +93,36 @@ def write_drafter(folder: Path, *, prefix: str = "", seed: int = 1, **cfg_kwargs
                 p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
     save_file({prefix + k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def write_drafter2(folder: Path, *, seed: int = 1, conv_kernel_size: int = 3, conv_group_size: int = 8,
+                   selector_rank: int = 8, selector_top_k: int = 16, dflash_extra: dict | None = None,
+                   **cfg_kwargs) -> Path:
+    """A random DFlash 2 drafter in z-lab's layout (`DFlash2DraftModel`: its dflash_config fields, the block
+    convolutions' `base_kernel` / `kernel_projection`, the selector's bare codebook tensors). The codebooks are
+    scaled so that the selector's rescoring often overturns the top logit."""
+    from dscale_runtime.models.dflash2 import DFlash2DraftModel
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = drafter_config_dict(**cfg_kwargs)
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    fields = {"conv_kernel_size": conv_kernel_size, "conv_group_size": conv_group_size,
+              "selector_rank": selector_rank, "selector_top_k": selector_top_k, **(dflash_extra or {})}
+    cfg.setdefault("dflash_config", cfg).update(fields)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(load_drafter_config(folder))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("base_kernel"):
+                p.copy_(0.3 * torch.randn_like(p))
+                p[:, 0] += 1.0  # near the identity at the slot itself, real weight on the slots before it
+            elif name.endswith("codebook"):
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    return folder

@@ -113,3 +113,33 @@ def test_both_rules_keep_the_target_distribution(rule, k):
         assert _fit(torch.bincount(second, minlength=vocab), p[1]) > 1e-3
     else:
         assert (acc == 0).all()
+
+
+def test_sampled_drafts_with_a_sparse_candidate_q_keep_the_target_distribution(k=3):
+    """DFlash 2's q lives on a few candidates per slot (`CandidatePolicy`): drafts drawn from it, the residual
+    max(p - q scattered, 0) after a rejection, and the committed tokens still follow p0 (and p1 after an
+    accepted first draft), including tokens outside the candidates."""
+    from dscale_runtime.verify import CandidatePolicy
+
+    gen = torch.Generator().manual_seed(20 + k)
+    vocab, trials, top = 7, 30000, 3
+    p = torch.softmax(torch.randn(3, vocab, generator=gen) * 1.5, -1)
+    tokens = torch.stack([torch.randperm(vocab, generator=gen)[:top] for _ in range(2)])  # [2 slots, 3]
+    probs = torch.softmax(torch.randn(2, top, generator=gen, dtype=torch.float64), -1)
+    u = lambda *shape: torch.rand(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    lens, offsets = torch.full((trials,), k), torch.arange(trials) * k
+    rows = torch.cat([p[:k]] * trials)
+    target = sample_inverse_cdf(rows, u(trials * k))
+    q = CandidatePolicy(probs.repeat(trials, 1), tokens.repeat(trials, 1))
+    index = sample_inverse_cdf(probs.repeat(trials, 1), u(trials * 2)).view(trials, 2)
+    drawn = tokens[torch.arange(2)[None, :].expand(trials, 2), index]
+    drafts = torch.cat([torch.zeros(trials, 1, dtype=torch.long), drawn], dim=1)
+    acc, succ = accept_sampled_drafts(Policy.dense(rows), q, drafts, target, lens, offsets, u(trials, 2), u(trials))
+    first = torch.where(acc >= 1, drafts[:, 1], succ)
+    assert _fit(torch.bincount(first, minlength=vocab), p[0]) > 1e-3
+    outside = ~torch.isin(first, tokens[0])
+    assert outside.sum() > 1000, "tokens outside the candidates must come from the residual"
+    accepted = acc >= 1
+    assert accepted.sum() > 2000
+    second = torch.where(acc[accepted] >= 2, drafts[accepted, 2], succ[accepted])
+    assert _fit(torch.bincount(second, minlength=vocab), p[1]) > 1e-3

@@ -101,7 +101,7 @@ def collect(cfg: CollectConfig) -> dict:
 
 def _collect(cfg: CollectConfig, workers: Workers) -> dict:
     from dscale_runtime.config import EngineConfig, SamplingParams
-    from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
+    from dscale_runtime.dvl.features import drafter_feature_spec, hidden_projection
     from dscale_runtime.engine import Engine
 
     prompts = []
@@ -111,7 +111,7 @@ def _collect(cfg: CollectConfig, workers: Workers) -> dict:
                               device=workers.device(cfg.device), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                               seed=cfg.seed)
     engine = Engine.from_pretrained(cfg.target, cfg.drafter, config=engine_cfg)
-    spec = FeatureSpec(num_positions=engine.block_size - 1)
+    spec = drafter_feature_spec(engine.drafter.config)  # NOTE: DFlash 1 or DFlash 2 features, W - 1 positions
     store = TraceStore(cfg.output)
     tokenizer = engine.tokenizer
     texts = [format_prompt(tokenizer, p["prompt"], cfg.chat_template) if tokenizer else p["prompt"] for p in prompts]

@@ -20,10 +20,16 @@ import torch
 # NOTE: re-exported: the collector, the trainer and the benchmarks read the feature definition from here.
 from dscale_runtime.kernels.features import confidence_features, confidence_features_ref
 
-__all__ = ["FEATURE_VERSION", "FeatureSpec", "acceptance_features", "confidence_features",
-           "confidence_features_ref", "context_features", "hidden_projection"]
+__all__ = ["FEATURE_VERSION", "FEATURE_VERSION_DFLASH2", "FEATURE_VERSIONS", "FeatureSpec", "acceptance_features",
+           "confidence_features", "confidence_features_ref", "context_features", "drafter_feature_spec",
+           "hidden_projection"]
 
 FEATURE_VERSION = "dscale-features-v1"
+# NOTE: DFlash 2 drafters: the same layout, but the confidence columns read the candidate selector's scores along
+# the walked path ([N, W-1, K]: top score, its gaps, log q(best) at T = 1, the entropy over the candidates), not
+# the drafter's logits over the vocabulary. Another meaning, so another version: a predictor reads one of them.
+FEATURE_VERSION_DFLASH2 = "dscale-features-dflash2-v1"
+FEATURE_VERSIONS = (FEATURE_VERSION, FEATURE_VERSION_DFLASH2)
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,14 @@ class FeatureSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "FeatureSpec":
         return cls(**d)
+
+
+def drafter_feature_spec(drafter_config) -> FeatureSpec:
+    """The spec a drafter's steps compute (a `DFlashConfig`): v1 over a DFlash 1 drafter's logits, the DFlash 2
+    version over its selector's scores; one position per draft slot (W - 1). The collector, the trainer (from
+    the traces' manifest) and the runtime all take it from here."""
+    version = FEATURE_VERSION if drafter_config.dflash2 is None else FEATURE_VERSION_DFLASH2
+    return FeatureSpec(version=version, num_positions=drafter_config.block_size - 1)
 
 
 def hidden_projection(spec: FeatureSpec, hidden_size: int) -> torch.Tensor:

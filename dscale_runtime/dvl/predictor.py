@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dscale_runtime.dvl.features import FEATURE_VERSION, FeatureSpec, hidden_projection
+from dscale_runtime.dvl.features import FEATURE_VERSIONS, FeatureSpec, hidden_projection
 from dscale_runtime.models.config import DFlashConfig, Qwen3Config
 from dscale_runtime.models.loader import file_sha256
 
@@ -60,13 +60,18 @@ def seed_lengths(scores: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def pair_identity(target: Qwen3Config, drafter: DFlashConfig) -> dict:
     """What an artifact must agree on with the models it runs beside."""
-    return {
+    identity = {
         "target": {"hidden_size": target.hidden_size, "num_hidden_layers": target.num_hidden_layers,
                    "vocab_size": target.vocab_size},
         "drafter": {"hidden_size": drafter.layers.hidden_size, "num_hidden_layers": drafter.layers.num_hidden_layers,
                     "block_size": drafter.block_size, "target_layer_ids": list(drafter.target_layer_ids),
                     "mask_token_id": drafter.mask_token_id},
     }
+    if drafter.dflash2 is not None:
+        # NOTE: a DFlash 2 drafter's features read its selector's scores: a DFlash 1 predictor (no such key) is
+        # refused beside it. DFlash 1 identities keep their keys, so existing artifacts still load.
+        identity["drafter"]["architecture"] = drafter.architecture
+    return identity
 
 
 def predictor_artifact(model: AcceptancePredictor, identity: dict, projection: torch.Tensor,
@@ -109,9 +114,13 @@ def load_predictor(path: str | Path, identity: dict | None = None, spec: Feature
         got = FeatureSpec.from_dict(art["feature_spec"])
     except (KeyError, TypeError) as exc:
         raise PredictorError(f"{path}: unreadable 'feature_spec' ({exc})") from exc
-    if got.version != FEATURE_VERSION:
-        raise PredictorError(f"{path}: feature spec version '{got.version}', this runtime computes '{FEATURE_VERSION}';"
+    if got.version not in FEATURE_VERSIONS:
+        raise PredictorError(f"{path}: feature spec version '{got.version}', this runtime computes {FEATURE_VERSIONS};"
                              " retrain the predictor on traces collected with this version")
+    if got.version != want.version:
+        raise PredictorError(f"{path}: trained on features '{got.version}', but this drafter's steps compute "
+                             f"'{want.version}' (DFlash 1 and DFlash 2 drafters differ); retrain the predictor on "
+                             "traces collected with this drafter")
     if got != want:
         raise PredictorError(f"{path}: feature spec {got.to_dict()} differs from the runtime's {want.to_dict()}")
     if identity is not None:

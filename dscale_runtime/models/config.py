@@ -1,4 +1,4 @@
-"""Model configurations parsed from Hugging Face `config.json` files (Qwen3 target, DFlash drafter).
+"""Model configurations parsed from Hugging Face `config.json` files (Qwen3 target, DFlash 1 and 2 drafters).
 
 Only the fields the runtime needs are kept; anything the runtime cannot honour (sliding windows, RoPE
 scaling other than the default) is refused with an error naming the file and the key. Under tensor
@@ -75,6 +75,20 @@ class Qwen3Config:
 
 
 @dataclass(frozen=True)
+class DFlash2Config:
+    """What a DFlash 2 drafter (z-lab `DFlash2DraftModel`) adds to DFlash 1: block convolutions and a selector."""
+
+    conv_kernel_size: int
+    """Taps of each grouped dynamic causal convolution (over the block's own slots)."""
+    conv_group_size: int
+    """Channels per group of those convolutions (one dynamic tap weight per group)."""
+    selector_rank: int
+    """Rank of the candidate selector's bilinear term (codebooks [vocab, rank])."""
+    selector_top_k: int
+    """Candidates per draft slot (the drafter's top logits, rescored left to right)."""
+
+
+@dataclass(frozen=True)
 class DFlashConfig:
     """A DFlash drafter: Qwen3 draft layers plus the block and context-fusion settings."""
 
@@ -88,6 +102,16 @@ class DFlashConfig:
     """Target layers whose outputs are concatenated into the context features."""
     num_target_layers: int
     """Number of layers of the target the drafter was trained against."""
+    architecture: str = "DFlashDraftModel"
+    """`DFlashDraftModel` (DFlash 1) or `DFlash2DraftModel` (then `dflash2` holds its fields)."""
+    dflash2: DFlash2Config | None = None
+    """The DFlash 2 fields, None for a DFlash 1 drafter."""
+    input_embedding_scale: float = 1.0
+    """Factor on the block's target embeddings (z-lab's `input_embedding_scale`)."""
+    output_multiplier: float = 1.0
+    """Factor on the draft logits (z-lab's `compute_logits`)."""
+    final_logit_softcapping: float | None = None
+    """c of the draft logits' tanh soft cap c * tanh(l / c) (None or <= 0: none)."""
 
     def shard(self, tensor_parallel_size: int) -> "DFlashConfig":
         """One rank's share of the drafter: its draft layers' `Qwen3Config.shard`."""
@@ -164,34 +188,71 @@ def load_target_config(folder: str | Path) -> Qwen3Config:
     return layers
 
 
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+
+
 def load_drafter_config(folder: str | Path) -> DFlashConfig:
+    """A DFlash 1 or DFlash 2 drafter's config, by its `architectures` (z-lab's `dflash` 0.1.0 layout)."""
     folder = Path(folder)
     cfg = read_config_json(folder)
     path = folder / "config.json"
     archs = cfg.get("architectures") or []
-    if "DFlashDraftModel" not in archs:
-        raise CheckpointError(f"{path}: unknown drafter architecture {archs}; expected ['DFlashDraftModel']")
+    known = [a for a in archs if a in DRAFTER_ARCHITECTURES]
+    if len(known) != 1:
+        raise CheckpointError(f"{path}: unknown drafter architecture {archs}; expected ['DFlashDraftModel'] "
+                              "(DFlash 1) or ['DFlash2DraftModel'] (DFlash 2)")
+    architecture = known[0]
     # NOTE: recent z-lab files nest these under `dflash_config`; older ones put them at the top level.
     nested = cfg.get("dflash_config") or {}
 
-    def pick(key: str) -> Any:
+    def pick(key: str, default: Any = ...) -> Any:
         if key in nested:
             return nested[key]
         if key in cfg:
             return cfg[key]
+        if default is not ...:
+            return default
         raise CheckpointError(f"{path}: missing '{key}' (looked in 'dflash_config' and at the top level)")
 
+    # NOTE: z-lab's drafter makes a layer causal (and windowed) only by `is_causal` or a sliding layer type.
+    if cfg.get("is_causal") or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
+        raise CheckpointError(f"{path}: 'is_causal' / 'layer_types' ask for causal or sliding draft layers; "
+                              "only bidirectional full-attention DFlash blocks are supported")
     layers = parse_qwen3_layers(cfg, path)
     target_ids = tuple(int(i) for i in pick("target_layer_ids"))
     if not target_ids:
         raise CheckpointError(f"{path}: 'target_layer_ids' is empty")
-    block_size = int(nested.get("block_size", cfg.get("block_size", 16)))
+    block_size = int(pick("block_size", 16))
     if block_size < 2:
         raise CheckpointError(f"{path}: 'block_size' must be >= 2, got {block_size}")
+    multiplier = float(pick("output_multiplier", 1.0))
+    if multiplier <= 0:
+        raise CheckpointError(f"{path}: 'output_multiplier' must be > 0, got {multiplier}")
+    softcap = pick("final_logit_softcapping", None)
+    softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
+    dflash2 = None
+    if architecture == "DFlash2DraftModel":
+        fields = {name: int(pick(name)) for name in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                      "selector_top_k")}
+        for name, value in fields.items():
+            if value < 1:
+                raise CheckpointError(f"{path}: '{name}' must be >= 1, got {value}")
+        if layers.hidden_size % fields["conv_group_size"]:
+            raise CheckpointError(f"{path}: 'conv_group_size' {fields['conv_group_size']} does not divide "
+                                  f"'hidden_size' {layers.hidden_size}")
+        if layers.vocab_size and fields["selector_top_k"] > layers.vocab_size:
+            raise CheckpointError(f"{path}: 'selector_top_k' {fields['selector_top_k']} exceeds 'vocab_size' "
+                                  f"{layers.vocab_size}")
+        dflash2 = DFlash2Config(**fields)
     return DFlashConfig(
         layers=layers,
         block_size=block_size,
         mask_token_id=int(pick("mask_token_id")),
         target_layer_ids=target_ids,
-        num_target_layers=int(nested.get("num_target_layers", cfg.get("num_target_layers", max(target_ids) + 1))),
+        num_target_layers=int(pick("num_target_layers", max(target_ids) + 1)),
+        architecture=architecture,
+        dflash2=dflash2,
+        input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+        output_multiplier=multiplier,
+        final_logit_softcapping=softcap,
     )

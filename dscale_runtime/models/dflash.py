@@ -36,12 +36,15 @@ class DFlashDraftModel(nn.Module):
         self.kernels = kernels  # the kernel path of every layer (see use_kernels)
         self.tp = active(tp)  # None: the whole drafter on this process
         d = cfg.layers.hidden_size
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg.layers, kernels, self.tp)
-                                    for _ in range(cfg.layers.num_hidden_layers))
+        self.layers = nn.ModuleList(self._layer(cfg, kernels, self.tp) for _ in range(cfg.layers.num_hidden_layers))
         self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, cfg.layers.rms_norm_eps, kernels)
         self.norm = RMSNorm(d, cfg.layers.rms_norm_eps, kernels)
         self._head: tuple[torch.Tensor, torch.Tensor] | None = None  # (target LM head, its copy in our dtype)
+
+    def _layer(self, cfg: DFlashConfig, kernels: KernelChoice, tp: TensorParallel | None) -> Qwen3DecoderLayer:
+        """One draft layer (DFlash 2 wraps its sub-layers in convolutions: `dflash2.DFlash2DecoderLayer`)."""
+        return Qwen3DecoderLayer(cfg.layers, kernels, tp)
 
     def use_kernels(self, kernels: KernelChoice) -> "DFlashDraftModel":
         """Run every draft layer through `kernels` from now on (see Qwen3ForCausalLM.use_kernels)."""
@@ -83,6 +86,8 @@ class DFlashDraftModel(nn.Module):
         caches: list[KVLayerCache],
     ) -> torch.Tensor:  # [N * W, d], final-normed hidden states of every block slot
         x, delta = block_embeds.to(self.dtype), None
+        if self.config.input_embedding_scale != 1.0:
+            x = x * self.config.input_embedding_scale
         for layer, cache in zip(self.layers, caches):
             x, delta = layer(x, meta, cache, delta)
         return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps, backend=self.kernels.fused)[1]
@@ -97,6 +102,24 @@ class DFlashDraftModel(nn.Module):
             self._head = (lm_head, lm_head.detach().to(self.dtype))
         return self._head[1]
 
+    def head_logits(self, hidden: torch.Tensor, target: nn.Module) -> torch.Tensor:
+        """Hidden states [N, P, d] -> raw draft logits [N, P, V] through the target's LM head, in our dtype."""
+        n, p = hidden.shape[:2]
+        # NOTE: the LM head takes contiguous 2-D rows: on a strided 3-D slice F.linear falls back to a batched
+        # matmul that reads the whole vocab-sized weight once per request (0.3 ms each at Qwen3-8B).
+        logits = F.linear(hidden.reshape(n * p, -1), self.head_weight(target.lm_head.weight))
+        return target.vocab_logits(logits).view(n, p, -1)  # NOTE: gathered under tensor parallelism
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's `output_multiplier` and `final_logit_softcapping` (z-lab's `compute_logits`); the
+        tensor itself when it sets neither. Monotone: the argmax and the top-k are those of the raw logits."""
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return logits
+
     def propose(
         self,
         block: torch.Tensor,  # [N, W] anchor + mask token ids; slots 1..W-1 are overwritten with the drafts
@@ -110,10 +133,7 @@ class DFlashDraftModel(nn.Module):
         into `block[:, 1:]` (the argmax is the same either way: the upcast is exact)."""
         n, w = block.shape
         hidden = self(target.embed(block.view(-1)), meta, caches).view(n, w, -1)[:, 1:]
-        # NOTE: the LM head takes contiguous 2-D rows: on a strided 3-D slice F.linear falls back to a batched
-        # matmul that reads the whole vocab-sized weight once per request (0.3 ms each at Qwen3-8B).
-        logits = F.linear(hidden.reshape(n * (w - 1), -1), self.head_weight(target.lm_head.weight))
-        logits = target.vocab_logits(logits).view(n, w - 1, -1)  # NOTE: gathered under tensor parallelism
+        logits = self.scale_logits(self.head_logits(hidden, target))
         if float_logits:
             logits = logits.float()
         block[:, 1:] = logits.argmax(dim=-1)

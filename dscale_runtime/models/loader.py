@@ -29,6 +29,7 @@ from dscale_runtime.models.config import (
     load_target_config,
 )
 from dscale_runtime.models.dflash import DFlashDraftModel
+from dscale_runtime.models.dflash2 import DFlash2DraftModel
 from dscale_runtime.models.parallel import VOCAB_PARALLEL, TensorParallel, active, shard_dim
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
 
@@ -192,13 +193,39 @@ def check_pair(target: Qwen3Config, drafter: DFlashConfig, folder: Path) -> None
         raise CheckpointError(
             f"{path}: 'mask_token_id' {drafter.mask_token_id} is outside the target vocabulary ({target.vocab_size})"
         )
+    if drafter.dflash2 is not None and drafter.layers.vocab_size != target.vocab_size:
+        raise CheckpointError(f"{path}: 'vocab_size' {drafter.layers.vocab_size} differs from the target's "
+                              f"{target.vocab_size} (the DFlash 2 selector's codebooks index target tokens)")
+
+
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+DFLASH2_MARKS = (".attention_conv.", ".mlp_conv.", "candidate_selector.")
+
+
+def _drafter_keys(tensors: dict[str, tuple[torch.Tensor, Path]], cfg: DFlashConfig, folder: Path) -> dict:
+    """z-lab's stored names -> ours: the selector's codebooks are bare tensors (`...codebook`); a `.weight`
+    suffix (an `nn.Embedding` export) is read as the same tensor, never both. DFlash 2 tensors beside a DFlash 1
+    config are refused here with the reason (they would be left unread)."""
+    for name in CODEBOOKS:
+        if name + ".weight" in tensors:
+            if name in tensors:
+                raise CheckpointError(f"{tensors[name][1]}: both '{name}' and '{name}.weight' are stored; keep one")
+            tensors[name] = tensors.pop(name + ".weight")
+    if cfg.dflash2 is None:
+        extra = sorted(k for k in tensors if any(m in "." + k for m in DFLASH2_MARKS))
+        if extra:
+            raise CheckpointError(f"{tensors[extra[0]][1]}: DFlash 2 weights ('{extra[0]}', {len(extra)} in all) "
+                                  f"beside {folder / 'config.json'} declaring 'DFlashDraftModel'; a DFlash 2 "
+                                  "checkpoint declares architectures ['DFlash2DraftModel'] and its dflash_config")
+    return tensors
 
 
 def load_drafter(
     folder: str | Path, target: Qwen3Config, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
     kernels: KernelChoice | None = None, tp: TensorParallel | None = None,
 ) -> DFlashDraftModel:
-    """The DFlash drafter in `folder`, checked against its `target`'s config, on `device` in `dtype`, running
+    """The DFlash drafter in `folder` (DFlash 1 or DFlash 2, by its config's `architectures`: a `DFlashDraftModel`
+    or a `DFlash2DraftModel`), checked against its `target`'s config, on `device` in `dtype`, running
     the kernel paths `kernels` (None: `KernelChoice.resolve(device, dtype)`); this rank's shard of it under the
     tensor parallelism `tp` (the target's; `target` may be its whole config or its shard's)."""
     folder = Path(folder)
@@ -208,10 +235,11 @@ def load_drafter(
     cfg = shard_config(load_drafter_config(folder), tp, folder)
     check_pair(target, cfg, folder)
     with torch.device("meta"):
-        model = DFlashDraftModel(cfg, kernels, tp)
+        model = (DFlash2DraftModel if cfg.dflash2 is not None else DFlashDraftModel)(cfg, kernels, tp)
     raw = read_tensors(weight_files(folder), None if tp is None else rank_slices(model, tp, target.vocab_size, "model."))
     # NOTE: some exports prefix every key with `model.`; strip it once, consistently.
-    tensors = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in raw.items()}
+    tensors = _drafter_keys({(k[len("model."):] if k.startswith("model.") else k): v for k, v in raw.items()},
+                            cfg, folder)
     fc = tensors.get("fc.weight")
     want = len(cfg.target_layer_ids) * target.hidden_size
     if fc is not None and fc[0].ndim == 2 and fc[0].shape[1] != want:

@@ -1,0 +1,152 @@
+"""The DFlash 2 decode step beside DFlash 1 on the GPU, through the engine's step runner (issue 26, acceptance 5).
+
+One process, random bf16 weights at a `gpu_step.py` shape (Qwen3-8B by default): the target and the caches of
+`gpu_step.Bench`, its DFlash 1 drafter, and a DFlash 2 drafter of the same shape in z-lab's `DFlash2DraftModel`
+layout (`--conv-kernel-size`, `--conv-group-size`, `--selector-rank`: 256 is a 78 MB bf16 codebook at Qwen3's
+vocabulary, `--selector-top-k`), random weights too. Per N (`--ns`, default 8 16 32), in a bucket of exactly N,
+captured on CUDA (eager elsewhere):
+- check: for DFlash 2 greedy and sampled (T = 1, sampled drafts), the captured step's results (accepted counts,
+  successors, verify lengths, block tokens) equal the eager step's over the same inputs; a mismatch is an error;
+- timing: DFlash 1 and DFlash 2 steps, DScale over each (budget `--ratio`), greedy and all rows sampled; the
+  ratios `dflash2 / dflash1` (acceptance 5: <= 1.05 at N = 8, 16, 32) and `dscale/dflash` of each drafter.
+
+    python benchmarks/dflash2_step.py --out $OUT/dflash2_step.json              # H200, ~3 min
+    python benchmarks/dflash2_step.py --device cpu --tiny --out /tmp/d2.json    # same code, tiny, eager, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_step import BLOCK, SHAPES, Bench, benchmark_settings, qwen3_config, random_init, release, step_kind, \
+    sync, time_call  # noqa: E402
+from dscale_runtime.models.config import DFlash2Config, DFlashConfig  # noqa: E402
+from dscale_runtime.models.dflash2 import DFlash2DraftModel  # noqa: E402
+
+
+def build_dflash2(bench: Bench, args, seed: int = 7) -> DFlash2DraftModel:
+    """A DFlash 2 drafter of the bench's shape, random weights, laid out as the engine loads it."""
+    shape, device = bench.shape, bench.device
+    sel = DFlash2Config(args.conv_kernel_size, args.conv_group_size, args.selector_rank, args.selector_top_k)
+    cfg = DFlashConfig(qwen3_config(shape, shape.draft_layers), BLOCK, shape.mask_token_id, shape.target_layer_ids,
+                       shape.layers, architecture="DFlash2DraftModel", dflash2=sel)
+    with torch.device("meta"):
+        drafter = DFlash2DraftModel(cfg, bench.served)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    drafter = random_init(drafter, device, bench.dtype, 0.02 if shape.hidden >= 1024 else 0.2, gen).eval()
+    with torch.no_grad():
+        for layer in drafter.layers:  # NOTE: near-identity convolutions, as a trained drafter's start from
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel[:, 0] += 1.0
+        drafter.candidate_selector.predecessor_codebook.normal_(0.0, 1.0, generator=gen)
+        drafter.candidate_selector.successor_codebook.normal_(0.0, 1.0, generator=gen)
+    if device.type == "cuda":
+        drafter.fuse_projections()
+    drafter.head_weight(bench.target.lm_head.weight)
+    return drafter
+
+
+def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs: bool, ratio: float):
+    """One step's result tensor [n, 4 + W] on the host, and the runner (its first call builds the step)."""
+    bench.drafter = drafter
+    runner = bench.runner(mode, ratio, graphs, [n])
+    batch, kind = bench.batch(n, sampling), step_kind(mode, sampling, bench.sampled_rule)
+    out = batch.run(runner, kind)
+    rows = [[a, s, k] + d for a, s, k, d in zip(out.accepted, out.successors, out.verify_lens, out.drafts)]
+    return torch.tensor(rows), runner, batch, kind
+
+
+def check_section(bench: Bench, drafter, n: int, ratio: float, result: dict) -> None:
+    """Captured == eager for the DFlash 2 steps (same inputs, same caches: the steps write the same K/V)."""
+    for mode in ("dflash", "dscale"):
+        for sampling in ("greedy", "sampled"):
+            eager = step_result(bench, drafter, mode, n, sampling, False, ratio)[0]
+            captured = step_result(bench, drafter, mode, n, sampling, True, ratio)[0]
+            key = f"captured_equals_eager {mode} {sampling} N={n}"
+            result["checks"][key] = bool(torch.equal(eager, captured))
+            if not result["checks"][key]:
+                result["errors"].append(f"{key}: {(eager != captured).any(1).sum().item()} of {n} rows differ")
+            release(bench.device)
+
+
+def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> None:
+    graphs = bench.device.type == "cuda"
+    times = {}
+    for name, drafter in drafters.items():
+        for mode in ("dflash", "dscale"):
+            for sampling in ("greedy", "sampled"):
+                _, runner, batch, kind = step_result(bench, drafter, mode, n, sampling, graphs, args.ratio)
+                timing = time_call(lambda: batch.run(runner, kind), bench.device, args.reps, args.warmup)
+                times[f"{name} {mode} {sampling}"] = timing["ms"]
+                print(f"  N={n:3d} {name} {mode:6s} {sampling:8s} {timing['ms']:9.3f} ms", flush=True)
+                del runner
+                release(bench.device)
+    ratios = {}
+    for sampling in ("greedy", "sampled"):
+        one, two = times[f"dflash1 dflash {sampling}"], times[f"dflash2 dflash {sampling}"]
+        ratios[f"dflash2/dflash1 {sampling}"] = two / one
+        for name in drafters:
+            ratios[f"{name} dscale/dflash {sampling}"] = (times[f"{name} dscale {sampling}"]
+                                                          / times[f"{name} dflash {sampling}"])
+    result["steps"][str(n)] = {"ms": times, "ratios": {k: round(v, 4) for k, v in ratios.items()},
+                               "acceptance5_dflash2_within_1.05": ratios["dflash2/dflash1 greedy"] <= 1.05}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shape, eager, few reps (CPU smoke run)")
+    parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    parser.add_argument("--ns", nargs="+", type=int, default=[8, 16, 32])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--ratio", type=float, default=0.5, help="DScale's budget ratio")
+    parser.add_argument("--conv-kernel-size", type=int, default=4)
+    parser.add_argument("--conv-group-size", type=int, default=128)
+    parser.add_argument("--selector-rank", type=int, default=256)
+    parser.add_argument("--selector-top-k", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.shape, args.ns, args.context, args.reps, args.warmup = "tiny", [1, 3], 40, 2, 1
+        args.conv_group_size, args.selector_rank, args.selector_top_k = 16, 8, 4
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    result = {"config": vars(args).copy(), "checks": {}, "steps": {}, "errors": []}
+    t0 = time.perf_counter()
+    with benchmark_settings(args.device, args.tiny):
+        dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
+        bench = Bench(SHAPES[args.shape], args.device, dtype, max(args.ns), args.context)
+        drafters = {"dflash1": bench.drafter, "dflash2": build_dflash2(bench, args)}
+        sync(bench.device)
+        for n in args.ns:
+            if bench.device.type == "cuda":  # NOTE: the CPU has no graphs: its steps are the eager ones
+                check_section(bench, drafters["dflash2"], n, args.ratio, result)
+            timing_section(bench, drafters, n, args, result)
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(result, indent=1))
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps({"checks": result["checks"], "ratios": {n: s["ratios"] for n, s in result["steps"].items()},
+                      "errors": result["errors"]}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
