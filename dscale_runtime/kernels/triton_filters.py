@@ -60,7 +60,7 @@ def _mass_target(z_hist, top_p, Z_BINS: tl.constexpr):
 
 @triton.jit
 def _round_kernel(logits, shift, inv_t, top_k, top_p, scratch, vocab, stride_row, span,
-                  STAGE: tl.constexpr, OFFSET: tl.constexpr, PREV_OFFSET: tl.constexpr, BITS: tl.constexpr,
+                  STAGE: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr, OFFSET: tl.constexpr, PREV_OFFSET: tl.constexpr, BITS: tl.constexpr,
                   PREV_BITS: tl.constexpr, HIGH: tl.constexpr, STATE: tl.constexpr, ROW_WORDS: tl.constexpr,
                   Z_BINS: tl.constexpr, Z_OFFSET: tl.constexpr, KEY_K: tl.constexpr, KEY_ALL: tl.constexpr,
                   SCALE: tl.constexpr,
@@ -70,8 +70,6 @@ def _round_kernel(logits, shift, inv_t, top_k, top_p, scratch, vocab, stride_row
     words = scratch + row.to(tl.int64) * ROW_WORDS
     k = tl.load(top_k + row).to(tl.int64)
     p = tl.load(top_p + row)
-    MASS: tl.constexpr = STAGE >= 3
-    FIRST: tl.constexpr = STAGE == 0 or STAGE == 3
     if MASS:
         active = p < 1.0
     else:
@@ -173,8 +171,8 @@ def filter_floor_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.
         if stage == 3:
             high = KEY_BITS
         prev = max(stage - 1, 0)
-        _round_kernel[(rows, parts)](*args, STAGE=stage, OFFSET=_STAGE_OFFSETS[stage],
-                                     PREV_OFFSET=_STAGE_OFFSETS[prev], BITS=bits, PREV_BITS=_STAGE_BINS[prev],
+        _round_kernel[(rows, parts)](*args, STAGE=stage, MASS=stage >= 3, FIRST=stage in (0, 3),
+                                     OFFSET=_STAGE_OFFSETS[stage], PREV_OFFSET=_STAGE_OFFSETS[prev], BITS=bits, PREV_BITS=_STAGE_BINS[prev],
                                      HIGH=high, SCALE=float(2**MASS_BITS), BLOCK=BLOCK,
                                      ACCURATE=not interpreted(), num_warps=4, **constants)
         high -= bits
