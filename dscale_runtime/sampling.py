@@ -2,10 +2,11 @@
 
 Policy: temperature, top-k and top-p turn logits into per-row distributions (`policy_probs`, the vLLM/OpenAI
 meaning of the three fields; the filters are a per-row floor on the scaled logits found without sorting, with
-the tie rule of `kernels/filters.py`; `policy_probs_ref` sorts, the oracle). Draws: every uniform the engine uses is a hash of (request seed, absolute token
-position, purpose) (`keyed_uniforms`), never a stateful generator, so a step is a pure tensor function (it can
-be captured as a CUDA graph and replayed) and a request's draws do not depend on what shares its batch, on
-graphs being on or off, or on how many slots a step verifies. A token is drawn by inverting the distribution's
+the tie rule of `kernels/filters.py`; `policy_probs_ref` sorts, the oracle). Draws: every uniform the engine
+uses is a hash of (request seed, absolute token position, purpose) (`keyed_uniforms`), never a stateful
+generator, so a step is a pure tensor function (it can be captured as a CUDA graph and replayed) and a
+request's draws do not depend on what shares its batch, on graphs being on or off, or on how many slots a
+step verifies. A token is drawn by inverting the distribution's
 CDF at one such uniform (`sample_inverse_cdf`).
 
 NOTE: target-only sampling draws the token at position t as inverse-CDF(P_t, u(seed, t, TARGET)); the

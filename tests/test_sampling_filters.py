@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from markers import needs_cuda, needs_triton
-from dscale_runtime.kernels.filters import filter_floor, filter_floor_radix, filter_keep_ref, scaled_logits
+from dscale_runtime.kernels.filters import filter_floor, filter_keep_ref, scaled_logits
 from dscale_runtime.sampling import (
     SamplingRows,
     make_policy,

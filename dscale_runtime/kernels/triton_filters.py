@@ -60,8 +60,8 @@ def _mass_target(z_hist, top_p, Z_BINS: tl.constexpr):
 
 @triton.jit
 def _round_kernel(logits, shift, inv_t, top_k, top_p, scratch, vocab, stride_row, span,
-                  STAGE: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr, OFFSET: tl.constexpr, PREV_OFFSET: tl.constexpr, BITS: tl.constexpr,
-                  PREV_BITS: tl.constexpr, HIGH: tl.constexpr, STATE: tl.constexpr, ROW_WORDS: tl.constexpr,
+                  STAGE: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr, OFFSET: tl.constexpr,
+                  PREV_OFFSET: tl.constexpr, BITS: tl.constexpr, PREV_BITS: tl.constexpr, HIGH: tl.constexpr, STATE: tl.constexpr, ROW_WORDS: tl.constexpr,
                   Z_BINS: tl.constexpr, Z_OFFSET: tl.constexpr, KEY_K: tl.constexpr, KEY_ALL: tl.constexpr,
                   SCALE: tl.constexpr,
                   BLOCK: tl.constexpr, ACCURATE: tl.constexpr):
@@ -164,16 +164,16 @@ def filter_floor_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.
     parts = triton.cdiv(vocab, span)
     args = (logits, shift.float().contiguous(), inv_t.float().contiguous(), top_k.long().contiguous(),
             top_p.float().contiguous(), scratch, vocab, logits.stride(0), span)
-    constants = dict(STATE=_STATE, ROW_WORDS=_ROW_WORDS, Z_BINS=1 << DIGITS[0], Z_OFFSET=_STAGE_OFFSETS[3], KEY_K=_KEY_K,
-                     KEY_ALL=KEY_ALL)
+    constants = dict(STATE=_STATE, ROW_WORDS=_ROW_WORDS, Z_BINS=1 << DIGITS[0], Z_OFFSET=_STAGE_OFFSETS[3],
+                     KEY_K=_KEY_K, KEY_ALL=KEY_ALL)
     high = KEY_BITS
     for stage, bits in enumerate(_STAGE_BINS):
         if stage == 3:
             high = KEY_BITS
         prev = max(stage - 1, 0)
         _round_kernel[(rows, parts)](*args, STAGE=stage, MASS=stage >= 3, FIRST=stage in (0, 3),
-                                     OFFSET=_STAGE_OFFSETS[stage], PREV_OFFSET=_STAGE_OFFSETS[prev], BITS=bits, PREV_BITS=_STAGE_BINS[prev],
-                                     HIGH=high, SCALE=float(2**MASS_BITS), BLOCK=BLOCK,
+                                     OFFSET=_STAGE_OFFSETS[stage], PREV_OFFSET=_STAGE_OFFSETS[prev], BITS=bits,
+                                     PREV_BITS=_STAGE_BINS[prev], HIGH=high, SCALE=float(2**MASS_BITS), BLOCK=BLOCK,
                                      ACCURATE=not interpreted(), num_warps=4, **constants)
         high -= bits
     _finish_kernel[(rows,)](args[3], args[4], scratch, floor, OFFSET=_STAGE_OFFSETS[5], BITS=_STAGE_BINS[5],

@@ -2,9 +2,10 @@
 pass, any float dtype), and the counter-based uniforms of `kernels.sampling.keyed_uniforms_ref`, bit for bit.
 
 `chunk_exp_sums_triton(logits [R, V], shift [R], inv_t [R], chunk)` -> [R, C] fp32, C = ceil(V / chunk):
-sum over each chunk of exp((l - shift) * inv_t), one program per (row, chunk), static grid (graph-safe). The
-sampler's two-level inverse CDF (`dscale_runtime.sampling`) needs nothing else of the full row, so no fp32
-copy of the [R, V] logits is ever written.
+sum over each chunk of exp((l - shift) * inv_t) (with a floor [R]: over the entries with (l - shift) * inv_t >=
+floor, the top-k / top-p policies of `kernels/filters.py`), one program per (row, chunk), static grid
+(graph-safe). The sampler's two-level inverse CDF (`dscale_runtime.sampling`) needs nothing else of the full
+row, so no fp32 copy of the [R, V] logits is ever written.
 
 This module imports triton at import time: import it only through `dscale_runtime.kernels.sampling`, which
 does so lazily. With TRITON_INTERPRET=1 set before triton is imported, it runs in Triton's interpreter on CPU
@@ -145,7 +146,8 @@ def keyed_uniforms_triton(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position
 
 
 def sample_triton(values: torch.Tensor, shift: torch.Tensor | None, inv_t: torch.Tensor | None,
-                  chunk_sums: torch.Tensor, u: torch.Tensor, chunk: int, floor: torch.Tensor | None = None) -> torch.Tensor:
+                  chunk_sums: torch.Tensor, u: torch.Tensor, chunk: int,
+                  floor: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of a policy (`dscale_runtime.sampling.Policy`: logits with shift / inv_t and an optional
     floor, or dense weights when shift is None) at uniforms u [R] -> int64 [R], in one launch."""
     assert values.dim() == 2 and values.stride(-1) == 1 and chunk & (chunk - 1) == 0
