@@ -80,26 +80,35 @@ def filter_keep_ref(s: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
 def _radix_search(keys: torch.Tensor, weights: torch.Tensor | None, reached) -> torch.Tensor:
     """Smallest key v per row with reached(F(v)), F(v) = the sum of `weights` [R, V] int64 (None: 1 per token)
     over tokens with keys <= v (keys [R, V] int32; reached: int64 [R, bins] -> bool, monotone in F), or all
-    ones (2^31 - 1) where no v reaches -> [R] int64."""
-    r = keys.shape[0]
-    prefix = torch.zeros(r, 1, dtype=torch.int32, device=keys.device)
-    below = torch.zeros(r, 1, dtype=torch.int64, device=keys.device)  # F just below the prefix's range
+    ones (2^31 - 1) where no v reaches -> [R] int64.
+
+    NOTE: on CUDA every round reads all R x V tokens (static shapes: graph-safe); on CPU the rounds after the
+    first keep only the tokens that share the first digit found (a small fraction of the row)."""
+    r, device = keys.shape[0], keys.device
+    rows = None  # [n] row of each token once compacted (CPU); None: the [R, V] layout
+    counted = torch.ones_like(keys) if weights is None else weights
+    prefix = torch.zeros(r, dtype=torch.int32, device=device)
+    below = torch.zeros(r, 1, dtype=torch.int64, device=device)  # F just below the prefix's range
     high = KEY_BITS
-    for bits in DIGITS:
+    for i, bits in enumerate(DIGITS):
         low, bins = high - bits, 1 << bits
-        match = (keys >> high) == prefix  # [R, V] the keys sharing the prefix found so far
+        if i == 1 and not keys.is_cuda:  # compact: the tokens in the chosen first-digit bin, with weight
+            at = (((keys >> high) == prefix[:, None]) & (counted > 0)).nonzero(as_tuple=True)
+            rows, keys, counted = at[0], keys[at], counted[at]
         digit = ((keys >> low) & (bins - 1)).long()
-        if weights is None:
-            hist = torch.zeros(r, bins, dtype=torch.int32, device=keys.device).scatter_add_(1, digit, match.int())
+        if rows is None:  # [R, V]: round 0 counts every token, later rounds those sharing the prefix
+            added = counted if i == 0 else torch.where((keys >> high) == prefix[:, None], counted, 0)
+            hist = added.new_zeros(r, bins).scatter_add_(1, digit, added)
         else:
-            hist = torch.zeros_like(below.expand(r, bins)).scatter_add_(1, digit, torch.where(match, weights, 0))
+            added = torch.where((keys >> high) == prefix[rows], counted, 0)
+            hist = added.new_zeros(r * bins).scatter_add_(0, rows * bins + digit, added).view(r, bins)
         cum = hist.long().cumsum(-1)  # [R, bins]
         hit = reached(below + cum)
         first = torch.where(hit.any(-1, keepdim=True), hit.int().argmax(-1, keepdim=True), bins - 1)
         below = below + torch.where(first > 0, cum.gather(1, (first - 1).clamp_min(0)), 0)
-        prefix = (prefix << bits) | first.int()
+        prefix = (prefix << bits) | first.view(-1).int()
         high = low
-    return prefix.view(-1).long()
+    return prefix.long()
 
 
 def filter_floor_radix(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor,
@@ -109,8 +118,14 @@ def filter_floor_radix(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.T
     vocab = s.shape[1]
     keys = order_keys(s)
     k_on, p_on = _active(top_k, top_p, vocab)
-    k = torch.where(k_on, top_k, vocab)[:, None]
-    key_k = torch.where(k_on, _radix_search(keys, None, lambda count: count >= k), KEY_ALL)
+    # NOTE: CPU tensors only (no graph to capture there): a search no row needs is skipped.
+    need_k, need_p = (True, True) if s.is_cuda else (bool(k_on.any()), bool(p_on.any()))
+    key_k = torch.full_like(top_k, KEY_ALL)
+    if need_k:
+        k = torch.where(k_on, top_k, vocab)[:, None]
+        key_k = torch.where(k_on, _radix_search(keys, None, lambda count: count >= k), KEY_ALL)
+    if not need_p:
+        return floor_of_key(key_k)
     q = torch.where(keys <= key_k[:, None], mass_units(s), 0)  # [R, V] the masses top-k kept
     target = top_p.double()[:, None] * q.sum(-1, keepdim=True).double()  # p * Z
     key_p = _radix_search(keys, q, lambda mass: mass.double() >= target)
