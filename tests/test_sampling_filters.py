@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from markers import needs_cuda, needs_triton
-from dscale_runtime.kernels.filters import filter_floor, filter_keep_ref, scaled_logits
+from dscale_runtime.kernels.filters import filter_floor, filter_floor_radix, filter_keep_ref, scaled_logits
 from dscale_runtime.sampling import (
     SamplingRows,
     make_policy,
@@ -105,6 +105,9 @@ def test_edge_rows_have_the_exact_probabilities_by_every_cpu_path():
         assert torch.allclose(probs.double(), want, rtol=1e-6, atol=0)
         assert torch.equal(probs > 0, want > 0)
     assert torch.equal(keep_of(logits, rows, floors(logits, rows, "ref")), want > 0)
+    inv_t = 1.0 / rows.temperature.clamp_min(1e-6)
+    static = filter_floor_radix(logits, logits.float().amax(-1), inv_t, rows.top_k, rows.top_p, graph_safe=True)
+    assert torch.equal(keep_of(logits, rows, static), want > 0)
 
 
 @pytest.mark.parametrize("dtype,vocab", [(torch.bfloat16, 2000), (torch.float32, 1100), (torch.float16, 517)])
@@ -113,6 +116,9 @@ def test_radix_floor_equals_the_sorting_reference(dtype, vocab):
     floor = floors(logits, rows, "ref")
     want = ref_keep(logits, rows)
     assert torch.equal(keep_of(logits, rows, floor), want)
+    inv_t = 1.0 / rows.temperature.clamp_min(1e-6)
+    static = filter_floor_radix(logits, logits.float().amax(-1), inv_t, rows.top_k, rows.top_p, graph_safe=True)
+    assert torch.equal(static, floor)  # the graph-safe rounds (what CUDA runs) find the same floors
     assert torch.equal(policy_probs(logits, rows, True), policy_probs_ref(logits, rows, True))
     # the rows without filters keep everything (floor -inf); filtered rows really filter
     off = (rows.top_k <= 0) | (rows.top_k >= vocab)
@@ -206,7 +212,7 @@ def test_triton_sampler_honours_the_floor(kernel_device):
 @needs_cuda
 def test_sort_free_filters_at_the_qwen3_vocabulary_in_a_cuda_graph():
     """bf16 logits [96, 151936]: Triton and torch floors give the sorting reference's kept sets and probabilities
-    exactly (the same expf on CUDA), eagerly and replayed from a CUDA graph."""
+    exactly (the same expf on CUDA), eagerly and replayed from a CUDA graph (on other logits than captured)."""
     logits, rows = random_batch(96, 151936, seed=7)
     logits = logits.cuda()
     rows = SamplingRows(*(t.cuda() for t in (rows.greedy, rows.temperature, rows.top_k, rows.top_p, rows.seed_lo,
@@ -218,11 +224,13 @@ def test_sort_free_filters_at_the_qwen3_vocabulary_in_a_cuda_graph():
         assert torch.equal(keep_of(logits, rows, floor), want), backend
         assert torch.equal(policy_probs(logits, rows, True, backend=backend), probs), backend
     static = logits.clone()
-    floors(static, rows, "triton")  # compile before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = floors(static, rows, "triton")
     other, _ = random_batch(96, 151936, seed=8)
-    static.copy_(other.cuda())
-    graph.replay()
-    assert torch.equal(keep_of(static, rows, captured), ref_keep(static, rows))
+    for backend in ("triton", "ref"):
+        static.copy_(logits)
+        floors(static, rows, backend)  # compile before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = floors(static, rows, backend)
+        static.copy_(other.cuda())
+        graph.replay()
+        assert torch.equal(keep_of(static, rows, captured), ref_keep(static, rows)), backend

@@ -77,13 +77,13 @@ def filter_keep_ref(s: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -
     return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
 
 
-def _radix_search(keys: torch.Tensor, weights: torch.Tensor | None, reached) -> torch.Tensor:
+def _radix_search(keys: torch.Tensor, weights: torch.Tensor | None, reached, graph_safe: bool) -> torch.Tensor:
     """Smallest key v per row with reached(F(v)), F(v) = the sum of `weights` [R, V] int64 (None: 1 per token)
     over tokens with keys <= v (keys [R, V] int32; reached: int64 [R, bins] -> bool, monotone in F), or all
     ones (2^31 - 1) where no v reaches -> [R] int64.
 
-    NOTE: on CUDA every round reads all R x V tokens (static shapes: graph-safe); on CPU the rounds after the
-    first keep only the tokens that share the first digit found (a small fraction of the row)."""
+    NOTE: `graph_safe` (CUDA): every round reads all R x V tokens (static shapes); else (CPU) the rounds after
+    the first keep only the tokens that share the first digit found (a small fraction of the row)."""
     r, device = keys.shape[0], keys.device
     rows = None  # [n] row of each token once compacted (CPU); None: the [R, V] layout
     counted = torch.ones_like(keys) if weights is None else weights
@@ -92,7 +92,7 @@ def _radix_search(keys: torch.Tensor, weights: torch.Tensor | None, reached) -> 
     high = KEY_BITS
     for i, bits in enumerate(DIGITS):
         low, bins = high - bits, 1 << bits
-        if i == 1 and not keys.is_cuda:  # compact: the tokens in the chosen first-digit bin, with weight
+        if i == 1 and not graph_safe:  # compact: the tokens in the chosen first-digit bin, with weight
             at = (((keys >> high) == prefix[:, None]) & (counted > 0)).nonzero(as_tuple=True)
             rows, keys, counted = at[0], keys[at], counted[at]
         digit = ((keys >> low) & (bins - 1)).long()
@@ -112,23 +112,25 @@ def _radix_search(keys: torch.Tensor, weights: torch.Tensor | None, reached) -> 
 
 
 def filter_floor_radix(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor) -> torch.Tensor:
-    """The portable sort-free path: logits [R, V], shift / inv_t / top_k / top_p [R] -> floor [R] fp32."""
+                       top_p: torch.Tensor, graph_safe: bool | None = None) -> torch.Tensor:
+    """The portable sort-free path: logits [R, V], shift / inv_t / top_k / top_p [R] -> floor [R] fp32.
+    `graph_safe` (default: on CUDA tensors): static shapes and no host reads; off, the CPU shortcuts
+    (compaction, skipping a search no row needs), the same floors."""
     s = scaled_logits(logits, shift, inv_t)
     vocab = s.shape[1]
     keys = order_keys(s)
     k_on, p_on = _active(top_k, top_p, vocab)
-    # NOTE: CPU tensors only (no graph to capture there): a search no row needs is skipped.
-    need_k, need_p = (True, True) if s.is_cuda else (bool(k_on.any()), bool(p_on.any()))
+    graph_safe = s.is_cuda if graph_safe is None else graph_safe
+    need_k, need_p = (True, True) if graph_safe else (bool(k_on.any()), bool(p_on.any()))
     key_k = torch.full_like(top_k, KEY_ALL)
     if need_k:
         k = torch.where(k_on, top_k, vocab)[:, None]
-        key_k = torch.where(k_on, _radix_search(keys, None, lambda count: count >= k), KEY_ALL)
+        key_k = torch.where(k_on, _radix_search(keys, None, lambda count: count >= k, graph_safe), KEY_ALL)
     if not need_p:
         return floor_of_key(key_k)
     q = torch.where(keys <= key_k[:, None], mass_units(s), 0)  # [R, V] the masses top-k kept
     target = top_p.double()[:, None] * q.sum(-1, keepdim=True).double()  # p * Z
-    key_p = _radix_search(keys, q, lambda mass: mass.double() >= target)
+    key_p = _radix_search(keys, q, lambda mass: mass.double() >= target, graph_safe)
     return floor_of_key(torch.where(p_on, torch.minimum(key_p, key_k), key_k))
 
 
