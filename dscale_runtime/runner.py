@@ -66,7 +66,7 @@ class StepKind:
 
     mode: str  # 'target' (W = 1), 'dflash' (full width) or 'dscale' (decision + packed budget)
     sampled: bool = False  # some row samples (policy probabilities and keyed draws are computed)
-    filtered: bool = False  # some sampled row uses top-k or top-p (the policy sorts the vocabulary)
+    filtered: bool = False  # some sampled row uses top-k or top-p (the policy finds its rows' floors)
     draft_sampling: bool = False  # some row uses the sampled-drafts rule (q is computed and drawn from)
     features: bool = False  # return the acceptance features (step observers, DScale's are free)
     retention: bool = False  # DScale: a full-width pass first, for the accepted count it would have had

@@ -1,10 +1,12 @@
 """The target's decoding policy and the step's random draws: graph-safe, counter-based, reproducible.
 
 Policy: temperature, top-k and top-p turn logits into per-row distributions (`policy_probs`, the vLLM/OpenAI
-meaning of the three fields). Draws: every uniform the engine uses is a hash of (request seed, absolute token
-position, purpose) (`keyed_uniforms`), never a stateful generator, so a step is a pure tensor function (it can
-be captured as a CUDA graph and replayed) and a request's draws do not depend on what shares its batch, on
-graphs being on or off, or on how many slots a step verifies. A token is drawn by inverting the distribution's
+meaning of the three fields; the filters are a per-row floor on the scaled logits found without sorting, with
+the tie rule of `kernels/filters.py`; `policy_probs_ref` sorts, the oracle). Draws: every uniform the engine
+uses is a hash of (request seed, absolute token position, purpose) (`keyed_uniforms`), never a stateful
+generator, so a step is a pure tensor function (it can be captured as a CUDA graph and replayed) and a
+request's draws do not depend on what shares its batch, on graphs being on or off, or on how many slots a
+step verifies. A token is drawn by inverting the distribution's
 CDF at one such uniform (`sample_inverse_cdf`).
 
 NOTE: target-only sampling draws the token at position t as inverse-CDF(P_t, u(seed, t, TARGET)); the
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dscale_runtime.kernels.choice import auto_backend
+from dscale_runtime.kernels.filters import filter_floor, filter_keep_ref, scaled_logits
 from dscale_runtime.kernels.sampling import chunk_exp_sums, keyed_uniforms  # noqa: F401 (re-exported)
 
 # Purposes of a draw (the third key of `keyed_uniforms`): one independent stream each.
@@ -61,24 +64,34 @@ class SamplingRows:
         return keyed_uniforms(self.seed_lo.view(shape), self.seed_hi.view(shape), positions, purpose, self.backend)
 
 
-def policy_probs(logits: torch.Tensor, rows: SamplingRows, filtered: bool) -> torch.Tensor:
+def policy_probs(logits: torch.Tensor, rows: SamplingRows, filtered: bool, backend: str | None = None) -> torch.Tensor:
     """Logits [R, V] -> fp32 probabilities [R, V] of the temperature / top-k / top-p policy.
 
-    `filtered` (a host decision: some row uses top-k or top-p) sorts the rows; without it the policy is the
-    tempered softmax, which is what every row without filters gets either way."""
-    logits = logits.float() / rows.temperature.clamp_min(1e-6)[:, None]
+    The tempered softmax over s = (l - max l) / T; with `filtered` (a host decision: some row uses top-k or
+    top-p) restricted to s >= the row's floor (`kernels.filters`: a radix select, no sort; `backend`, default
+    the rows' own). Rows without filters get the tempered softmax either way."""
+    shift, inv_t = logits.float().amax(dim=-1), _inv_t(rows)
+    s = scaled_logits(logits, shift, inv_t)
     if not filtered:
-        return torch.softmax(logits, dim=-1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    top_k = torch.where(rows.top_k > 0, rows.top_k, logits.shape[-1])
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop = mass_before >= rows.top_p[:, None]
-    drop[:, 0] = False  # the most likely token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.zeros_like(logits).scatter_(-1, order, torch.softmax(sorted_logits, dim=-1))
+        return _normalised(s, None)
+    floor = filter_floor(logits, shift, inv_t, rows.top_k, rows.top_p, backend or rows.backend)
+    return _normalised(s, s >= floor[:, None])
+
+
+def policy_probs_ref(logits: torch.Tensor, rows: SamplingRows, filtered: bool) -> torch.Tensor:
+    """`policy_probs` by sorting the vocabulary (`kernels.filters.filter_keep_ref`, the rule's definition)."""
+    s = scaled_logits(logits, logits.float().amax(dim=-1), _inv_t(rows))
+    return _normalised(s, filter_keep_ref(s, rows.top_k, rows.top_p) if filtered else None)
+
+
+def _inv_t(rows: SamplingRows) -> torch.Tensor:
+    return 1.0 / rows.temperature.float().clamp_min(1e-6)
+
+
+def _normalised(s: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """exp(s) [R, V] over the kept entries, divided by its float64 row sum -> fp32."""
+    w = torch.exp(s) if keep is None else torch.where(keep, torch.exp(s), 0.0)
+    return (w / w.sum(dim=-1, keepdim=True, dtype=torch.float64)).float()
 
 
 CDF_CHUNK = 1024  # vocabulary entries per chunk of the two-level inverse CDF
@@ -86,16 +99,18 @@ CDF_CHUNK = 1024  # vocabulary entries per chunk of the two-level inverse CDF
 
 @dataclass
 class Policy:
-    """R row distributions over the vocabulary, kept as their logits: weight w_r(x) = exp((l_rx - shift_r) *
-    inv_t_r) (the tempered softmax up to a factor per row), or as dense weights (top-k / top-p policies, the
-    residuals of rejected drafts). `chunk_sums` [R, C] float64 are the weights of each chunk of CDF_CHUNK
-    entries; `total` [R] their sum. Built by `make_policy` / `Policy.dense`; read by `sample` and `weights_at`."""
+    """R row distributions over the vocabulary, kept as their logits: weight w_r(x) = exp(s_rx), s_rx = (l_rx -
+    shift_r) * inv_t_r (the tempered softmax up to a factor per row), 0 where s_rx < floor_r (top-k / top-p), or
+    as dense weights (the residuals of rejected drafts). `chunk_sums` [R, C] float64 are the weights of each
+    chunk of CDF_CHUNK entries; `total` [R] their sum. Built by `make_policy` / `Policy.dense`; read by `sample`
+    and `weights_at`."""
 
     values: torch.Tensor  # [R, V] logits (model dtype) or dense weights (fp32 / fp64)
     shift: torch.Tensor | None  # [R] fp32 row max (None: `values` are the weights themselves)
     inv_t: torch.Tensor | None  # [R] fp32 1 / temperature
     chunk_sums: torch.Tensor  # [R, C] float64
     chunk: int = CDF_CHUNK  # entries per chunk
+    floor: torch.Tensor | None = None  # [R] fp32 lowest kept s (-inf: every entry; None: no filter at all)
 
     @property
     def total(self) -> torch.Tensor:  # [R] float64
@@ -113,14 +128,20 @@ class Policy:
         v = self.values[rows, cols]
         if self.shift is None:
             return v.double()
-        return torch.exp((v.float() - self.shift[rows]) * self.inv_t[rows]).double()
+        s = (v.float() - self.shift[rows]) * self.inv_t[rows]
+        w = torch.exp(s).double()
+        return w if self.floor is None else torch.where(s >= self.floor[rows], w, 0.0)
 
     def row_weights(self, rows: torch.Tensor) -> torch.Tensor:
         """float64 weights [n, V] of whole rows `rows` [n] (a few rows only: residuals)."""
         v = self.values[rows]
         if self.shift is None:
             return v.double()
-        return torch.exp((v.double() - self.shift[rows, None].double()) * self.inv_t[rows, None].double())
+        w = torch.exp((v.double() - self.shift[rows, None].double()) * self.inv_t[rows, None].double())
+        if self.floor is None:
+            return w
+        # NOTE: the kept set is decided on the fp32 s, as everywhere else; only the weights are float64 here.
+        return torch.where(scaled_logits(v, self.shift[rows], self.inv_t[rows]) >= self.floor[rows, None], w, 0.0)
 
     def probs_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         return self.weights_at(rows, cols) / self.total[rows]
@@ -128,15 +149,16 @@ class Policy:
 
 def make_policy(logits: torch.Tensor, rows: SamplingRows, filtered: bool, backend: str | None = None,
                 chunk: int = CDF_CHUNK, row_max: torch.Tensor | None = None) -> Policy:
-    """The policy of logits [R, V]: with `filtered`, dense `policy_probs`; else the tempered softmax kept as
-    logits, whose chunk sums are the only full pass over the row (`kernels.sampling.chunk_exp_sums`: one
-    Triton read of the logits on CUDA; `backend`, default the rows' own, is the target's KernelChoice `fused`).
-    `row_max` [R]: the logits' row maxima when the caller has them."""
-    if filtered:
-        return Policy.dense(policy_probs(logits, rows, filtered), chunk)
+    """The policy of logits [R, V], kept as the logits: the tempered softmax, and with `filtered` the rows'
+    top-k / top-p floors (`kernels.filters.filter_floor`, a radix select over the row: no sort). The chunk sums
+    are then the only other full pass (`kernels.sampling.chunk_exp_sums`: one Triton read of the logits on CUDA;
+    `backend`, default the rows' own, is the target's KernelChoice `fused`). `row_max` [R]: the logits' row
+    maxima when the caller has them."""
+    backend = backend or rows.backend
     shift = (logits.amax(dim=-1) if row_max is None else row_max).float()
-    inv_t = 1.0 / rows.temperature.float().clamp_min(1e-6)
-    return Policy(logits, shift, inv_t, chunk_exp_sums(logits, shift, inv_t, chunk, backend or rows.backend), chunk)
+    inv_t = _inv_t(rows)
+    floor = filter_floor(logits, shift, inv_t, rows.top_k, rows.top_p, backend) if filtered else None
+    return Policy(logits, shift, inv_t, chunk_exp_sums(logits, shift, inv_t, chunk, backend, floor), chunk, floor)
 
 
 def sample(policy: Policy, u: torch.Tensor, backend: str = "ref") -> torch.Tensor:
@@ -150,7 +172,8 @@ def sample(policy: Policy, u: torch.Tensor, backend: str = "ref") -> torch.Tenso
     if backend == "triton" and policy.values.stride(-1) == 1 and policy.chunk_sums.shape[1] <= 4096:
         from dscale_runtime.kernels.triton_sampling import sample_triton
 
-        return sample_triton(policy.values, policy.shift, policy.inv_t, policy.chunk_sums, u.reshape(-1), chunk)
+        return sample_triton(policy.values, policy.shift, policy.inv_t, policy.chunk_sums, u.reshape(-1), chunk,
+                             policy.floor)
     cum = policy.chunk_sums.cumsum(dim=-1)  # [R, C]
     total = cum[:, -1:].contiguous()
     value = u.view(-1, 1).double() * total  # [R, 1]

@@ -23,6 +23,7 @@ from dscale_runtime.sampling import (
     SamplingRows,
     keyed_uniforms,
     policy_probs,
+    policy_probs_ref,
     make_policy,
     sample,
     sample_inverse_cdf,
@@ -201,7 +202,8 @@ NEW_TOKENS = 3
 
 
 def exact_sequence_probs(target_folder, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(x1, x2, x3 | PROMPT) under the target's policy: transformers' model on every prefix, our policy."""
+    """P(x1, x2, x3 | PROMPT) under the target's policy: transformers' model on every prefix, the policy's
+    definition (`policy_probs_ref`, which sorts)."""
     from transformers import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM.from_pretrained(target_folder, torch_dtype=torch.float32).eval()
@@ -215,7 +217,7 @@ def exact_sequence_probs(target_folder, params: SamplingParams) -> dict[tuple[in
         prefixes = [p for p in probs if len(p) == length]
         with torch.no_grad():
             logits = model(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1]
-        policy = policy_probs(logits, SamplingRows(*(t.expand(len(prefixes)) for t in (
+        policy = policy_probs_ref(logits, SamplingRows(*(t.expand(len(prefixes)) for t in (
             rows.greedy, rows.temperature, rows.top_k, rows.top_p, rows.seed_lo, rows.seed_hi))), filtered=True)
         for prefix, dist in zip(prefixes, policy.tolist()):
             for token in range(vocab):

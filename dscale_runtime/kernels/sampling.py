@@ -67,10 +67,13 @@ def keyed_uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torc
                                  purpose * _PURPOSE_KEY & _MASK32, _SECOND_KEY)
 
 
-def chunk_exp_sums_ref(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, chunk: int) -> torch.Tensor:
-    """logits [R, V], shift [R], inv_t [R] -> [R, ceil(V / chunk)] float64: sum of exp((l - shift) * inv_t)."""
+def chunk_exp_sums_ref(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, chunk: int,
+                       floor: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V], shift [R], inv_t [R] -> [R, ceil(V / chunk)] float64: sum of exp(s), s = (l - shift) * inv_t,
+    over the entries with s >= floor [R] (top-k / top-p, `kernels.filters`; None: every entry)."""
     r, vocab = logits.shape
-    weights = torch.exp((logits.float() - shift.float()[:, None]) * inv_t.float()[:, None])
+    s = (logits.float() - shift.float()[:, None]) * inv_t.float()[:, None]
+    weights = torch.exp(s) if floor is None else torch.where(s >= floor[:, None], torch.exp(s), 0.0)
     pad = -vocab % chunk
     if pad:
         weights = torch.cat([weights, weights.new_zeros(r, pad)], dim=1)
@@ -78,15 +81,15 @@ def chunk_exp_sums_ref(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.T
 
 
 def chunk_exp_sums(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, chunk: int,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", floor: torch.Tensor | None = None) -> torch.Tensor:
     """The chunk sums through the path `backend` names -> [R, C] float64 (the Triton path sums in fp32)."""
     check_backend(backend, "DSCALE_FUSED")
     if backend == "auto":
         backend = auto_backend(logits.device, logits.dtype)
     if backend == "ref":
-        return chunk_exp_sums_ref(logits, shift, inv_t, chunk)
+        return chunk_exp_sums_ref(logits, shift, inv_t, chunk, floor)
     from dscale_runtime.kernels.triton_sampling import chunk_exp_sums_triton
 
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    return chunk_exp_sums_triton(logits, shift, inv_t, chunk).double()
+    return chunk_exp_sums_triton(logits, shift, inv_t, chunk, floor).double()

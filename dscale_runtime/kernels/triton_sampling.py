@@ -2,9 +2,10 @@
 pass, any float dtype), and the counter-based uniforms of `kernels.sampling.keyed_uniforms_ref`, bit for bit.
 
 `chunk_exp_sums_triton(logits [R, V], shift [R], inv_t [R], chunk)` -> [R, C] fp32, C = ceil(V / chunk):
-sum over each chunk of exp((l - shift) * inv_t), one program per (row, chunk), static grid (graph-safe). The
-sampler's two-level inverse CDF (`dscale_runtime.sampling`) needs nothing else of the full row, so no fp32
-copy of the [R, V] logits is ever written.
+sum over each chunk of exp((l - shift) * inv_t) (with a floor [R]: over the entries with (l - shift) * inv_t >=
+floor, the top-k / top-p policies of `kernels/filters.py`), one program per (row, chunk), static grid
+(graph-safe). The sampler's two-level inverse CDF (`dscale_runtime.sampling`) needs nothing else of the full
+row, so no fp32 copy of the [R, V] logits is ever written.
 
 This module imports triton at import time: import it only through `dscale_runtime.kernels.sampling`, which
 does so lazily. With TRITON_INTERPRET=1 set before triton is imported, it runs in Triton's interpreter on CPU
@@ -21,14 +22,17 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _chunk_exp_sums_kernel(logits, shift, inv_t, out, vocab, stride_row, num_chunks, CHUNK: tl.constexpr):
+def _chunk_exp_sums_kernel(logits, shift, inv_t, floor, out, vocab, stride_row, num_chunks, CHUNK: tl.constexpr,
+                           FLOOR: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(logits + row * stride_row + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
     m = tl.load(shift + row)
-    s = tl.load(inv_t + row)
-    e = tl.exp((x - m) * s)  # exp(-inf) = 0 past the vocabulary
+    s = (x - m) * tl.load(inv_t + row)
+    e = tl.exp(s)  # exp(-inf) = 0 past the vocabulary
+    if FLOOR:
+        e = tl.where(s >= tl.load(floor + row), e, 0.0)  # top-k / top-p: entries below the row's floor weigh 0
     tl.store(out + row * num_chunks + chunk, tl.sum(e, 0))
 
 
@@ -59,8 +63,8 @@ def _keyed_uniforms_kernel(seed_lo, seed_hi, positions, out, total, per_row, key
 
 
 @triton.jit
-def _sample_kernel(values, shift, inv_t, chunk_sums, u, out, vocab, stride_row, num_chunks,
-                   LOGITS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+def _sample_kernel(values, shift, inv_t, floor, chunk_sums, u, out, vocab, stride_row, num_chunks,
+                   LOGITS: tl.constexpr, FLOOR: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
     """One row: locate the chunk where u x total falls (its chunk sums' running total), then the token inside
     it (the running total of that chunk's weights, recomputed from the logits)."""
     row = tl.program_id(0)
@@ -82,7 +86,10 @@ def _sample_kernel(values, shift, inv_t, chunk_sums, u, out, vocab, stride_row, 
     inside = offs < vocab
     if LOGITS:
         x = tl.load(values + row * stride_row + offs, mask=inside, other=float("-inf")).to(tl.float32)
-        w = tl.exp((x - tl.load(shift + row)) * tl.load(inv_t + row)).to(tl.float64)
+        sl = (x - tl.load(shift + row)) * tl.load(inv_t + row)
+        w = tl.exp(sl).to(tl.float64)
+        if FLOOR:
+            w = tl.where(sl >= tl.load(floor + row), w, 0.0)
     else:
         w = tl.load(values + row * stride_row + offs, mask=inside, other=0.0).to(tl.float64)
     w = tl.where(inside, w, 0.0)
@@ -97,7 +104,8 @@ def interpreted() -> bool:
     return not isinstance(_chunk_exp_sums_kernel, triton.runtime.JITFunction)
 
 
-def chunk_exp_sums_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, chunk: int) -> torch.Tensor:
+def chunk_exp_sums_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, chunk: int,
+                          floor: torch.Tensor | None = None) -> torch.Tensor:
     if logits.dtype not in _DTYPES:
         raise ValueError(f"Triton chunk sums take {_DTYPES} logits, got {logits.dtype}: use DSCALE_FUSED=ref "
                          "(KernelChoice.fused='ref')")
@@ -111,9 +119,11 @@ def chunk_exp_sums_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torc
     # NOTE: allocated by torch on the logits' device: inside a CUDA graph capture, from the graph's pool.
     out = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     if rows:
-        _chunk_exp_sums_kernel[(rows, num_chunks)](logits, shift.float().contiguous(), inv_t.float().contiguous(),
-                                                   out, vocab, logits.stride(0), num_chunks, CHUNK=chunk,
-                                                   num_warps=4)
+        shift = shift.float().contiguous()
+        _chunk_exp_sums_kernel[(rows, num_chunks)](logits, shift, inv_t.float().contiguous(),
+                                                   shift if floor is None else floor.float().contiguous(), out,
+                                                   vocab, logits.stride(0), num_chunks, CHUNK=chunk,
+                                                   FLOOR=floor is not None, num_warps=4)
     return out
 
 
@@ -136,9 +146,10 @@ def keyed_uniforms_triton(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position
 
 
 def sample_triton(values: torch.Tensor, shift: torch.Tensor | None, inv_t: torch.Tensor | None,
-                  chunk_sums: torch.Tensor, u: torch.Tensor, chunk: int) -> torch.Tensor:
-    """One token per row of a policy (`dscale_runtime.sampling.Policy`: logits with shift / inv_t, or dense
-    weights when shift is None) at uniforms u [R] -> int64 [R], in one launch."""
+                  chunk_sums: torch.Tensor, u: torch.Tensor, chunk: int,
+                  floor: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row of a policy (`dscale_runtime.sampling.Policy`: logits with shift / inv_t and an optional
+    floor, or dense weights when shift is None) at uniforms u [R] -> int64 [R], in one launch."""
     assert values.dim() == 2 and values.stride(-1) == 1 and chunk & (chunk - 1) == 0
     if not values.is_cuda and not interpreted():
         raise RuntimeError("Triton sampling on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
@@ -147,10 +158,12 @@ def sample_triton(values: torch.Tensor, shift: torch.Tensor | None, inv_t: torch
     out = torch.empty(rows, dtype=torch.long, device=values.device)
     if rows:
         logits = shift is not None
-        dummy = chunk_sums  # NOTE: never read when LOGITS is false
+        dummy = chunk_sums  # NOTE: never read when LOGITS (FLOOR) is false
+        floored = logits and floor is not None
         _sample_kernel[(rows,)](values, shift.float().contiguous() if logits else dummy,
-                                inv_t.float().contiguous() if logits else dummy, chunk_sums.contiguous(),
+                                inv_t.float().contiguous() if logits else dummy,
+                                floor.float().contiguous() if floored else dummy, chunk_sums.contiguous(),
                                 u.double().contiguous(), out, vocab, values.stride(0), chunk_sums.shape[1],
-                                LOGITS=logits, CHUNK=chunk, BLOCK_C=triton.next_power_of_2(chunk_sums.shape[1]),
-                                num_warps=4)
+                                LOGITS=logits, FLOOR=floored, CHUNK=chunk,
+                                BLOCK_C=triton.next_power_of_2(chunk_sums.shape[1]), num_warps=4)
     return out

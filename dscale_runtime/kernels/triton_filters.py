@@ -1,0 +1,181 @@
+"""Triton radix select of the top-k / top-p floors: `kernels.filters.filter_floor_radix`, kept set for kept set.
+
+`filter_floor_triton(logits [R, V], shift, inv_t, top_k, top_p)` -> floor [R] fp32 in eight launches with a
+static grid and no host reads (graph-safe): one memset of an int64 scratch [R, 8192 + 16] (the six rounds'
+histograms, 2048 / 1024 / 1024 bins per search, and a little state), three rounds of the top-k search
+(counts), three of the top-p search (masses of what top-k kept), and a one-program-per-row finish. A round's
+grid is (R, parts): each program adds its slice of the row into the row's histogram with integer atomics
+(order-independent, so the sums equal the reference's exactly); it first advances the search over the previous
+round's histogram (the digit where the row's running count or mass reaches its target, as
+`filters._radix_search` does), and its part 0 stores that state for the next round. Rows whose filter is off
+skip the slices (their programs only run the prologue).
+
+Weights: on CUDA the mass units take libdevice's expf, which is the CUDA math library's (torch's `exp`), so the
+kernel and the torch paths see the same w; Triton's interpreter (CPU tests) takes numpy's exp, whose last bit
+may differ from torch's CPU exp (a kept set can then differ only where a mass lies within that rounding of p Z).
+
+This module imports triton at import time: import it only through `dscale_runtime.kernels.filters`, which
+does so lazily. With TRITON_INTERPRET=1 set before triton is imported, it runs on CPU tensors too.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dscale_runtime.kernels.filters import DIGITS, KEY_ALL, KEY_BITS, MASS_BITS
+
+BLOCK = 1024  # tokens per tile
+TARGET_PROGRAMS = 1024  # a round splits each row into parts so that about this many programs run
+_STAGE_BINS = DIGITS + DIGITS  # stages 0-2: top-k rounds; 3-5: top-p rounds
+_STAGE_OFFSETS = tuple(sum(1 << b for b in _STAGE_BINS[:i]) for i in range(6))
+_STATE = sum(1 << b for b in _STAGE_BINS)  # state words after the histograms: (prefix, below) per stage, key_k
+_ROW_WORDS = _STATE + 16
+_KEY_K = 12  # state word of the top-k threshold key
+
+
+@triton.jit
+def _advance(hist, prefix, below, target_count, target_mass, NB: tl.constexpr, MASS: tl.constexpr):
+    """One radix step: the first of NB bins whose running total (from `below`) reaches the target (the last bin
+    when none does) -> (prefix extended by that digit, total before it)."""
+    bins = tl.arange(0, NB)
+    h = tl.load(hist + bins)
+    cum = below + tl.cumsum(h, 0)
+    if MASS:
+        hit = cum.to(tl.float64) >= target_mass
+    else:
+        hit = cum >= target_count
+    digit = tl.min(tl.where(hit, bins, NB - 1), 0)
+    return prefix * NB + digit, below + tl.sum(tl.where(bins < digit, h, 0), 0)
+
+
+@triton.jit
+def _mass_target(z_hist, top_p, Z_BINS: tl.constexpr):
+    """p * Z in float64, Z = the kept mass (the first top-p round's histogram `z_hist` summed)."""
+    z = tl.sum(tl.load(z_hist + tl.arange(0, Z_BINS)), 0)
+    return top_p.to(tl.float64) * z.to(tl.float64)
+
+
+@triton.jit
+def _round_kernel(logits, shift, inv_t, top_k, top_p, scratch, vocab, stride_row, span,
+                  STAGE: tl.constexpr, MASS: tl.constexpr, FIRST: tl.constexpr, OFFSET: tl.constexpr,
+                  PREV_OFFSET: tl.constexpr, BITS: tl.constexpr, PREV_BITS: tl.constexpr, HIGH: tl.constexpr, STATE: tl.constexpr, ROW_WORDS: tl.constexpr,
+                  Z_BINS: tl.constexpr, Z_OFFSET: tl.constexpr, KEY_K: tl.constexpr, KEY_ALL: tl.constexpr,
+                  SCALE: tl.constexpr,
+                  BLOCK: tl.constexpr, ACCURATE: tl.constexpr):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    words = scratch + row.to(tl.int64) * ROW_WORDS
+    k = tl.load(top_k + row).to(tl.int64)
+    p = tl.load(top_p + row)
+    if MASS:
+        active = p < 1.0
+    else:
+        active = (k > 0) & (k < vocab)
+    prefix = tl.zeros((), tl.int64)
+    below = tl.zeros((), tl.int64)
+    key_k = tl.full((), KEY_ALL, tl.int64)
+    if STAGE == 3:  # finish the top-k search: its threshold key masks every top-p round
+        k_on = (k > 0) & (k < vocab)
+        kp, _ = _advance(words + PREV_OFFSET, tl.load(words + STATE + 4), tl.load(words + STATE + 5), k, 0.0,
+                         1 << PREV_BITS, False)
+        key_k = tl.where(k_on, kp, key_k)
+        if part == 0:
+            tl.store(words + STATE + KEY_K, key_k)
+    if MASS and not FIRST:
+        key_k = tl.load(words + STATE + KEY_K)
+    if not FIRST:
+        if MASS:
+            target = _mass_target(words + Z_OFFSET, p, Z_BINS)
+        else:
+            target = 0.0
+        prefix, below = _advance(words + PREV_OFFSET, tl.load(words + STATE + 2 * (STAGE - 1)),
+                                 tl.load(words + STATE + 2 * (STAGE - 1) + 1), k, target, 1 << PREV_BITS, MASS)
+        if part == 0:
+            tl.store(words + STATE + 2 * STAGE, prefix)
+            tl.store(words + STATE + 2 * STAGE + 1, below)
+    if active:
+        m = tl.load(shift + row)
+        it = tl.load(inv_t + row)
+        lo = part * span
+        hi = tl.minimum(lo + span, vocab)
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < hi
+            x = tl.load(logits + row.to(tl.int64) * stride_row + offs, mask=inside, other=0.0).to(tl.float32)
+            s = (x - m) * it
+            key = (s.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64)
+            match = inside & ((key >> HIGH) == prefix)
+            digit = (key >> (HIGH - BITS)) & ((1 << BITS) - 1)
+            if MASS:
+                if ACCURATE:
+                    w = libdevice.exp(s)
+                else:
+                    w = tl.exp(s)
+                q = (w * SCALE).to(tl.int64)
+                tl.atomic_add(words + OFFSET + digit, q, mask=match & (key <= key_k) & (q > 0), sem="relaxed")
+            else:
+                tl.atomic_add(words + OFFSET + digit, tl.full([BLOCK], 1, tl.int64), mask=match, sem="relaxed")
+
+
+@triton.jit
+def _finish_kernel(top_k, top_p, scratch, floor, OFFSET: tl.constexpr, BITS: tl.constexpr, STATE: tl.constexpr,
+                   ROW_WORDS: tl.constexpr, Z_BINS: tl.constexpr, Z_OFFSET: tl.constexpr, KEY_K: tl.constexpr,
+                   KEY_ALL: tl.constexpr):
+    row = tl.program_id(0)
+    words = scratch + row.to(tl.int64) * ROW_WORDS
+    p = tl.load(top_p + row)
+    key = tl.load(words + STATE + KEY_K)
+    if p < 1.0:
+        key_p, _ = _advance(words + OFFSET, tl.load(words + STATE + 10), tl.load(words + STATE + 11), 0,
+                            _mass_target(words + Z_OFFSET, p, Z_BINS), 1 << BITS, True)
+        key = tl.minimum(key, key_p)
+    key = tl.minimum(key, KEY_ALL).to(tl.int32)
+    tl.store(floor + row, -(key.to(tl.float32, bitcast=True)))
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    return not isinstance(_round_kernel, triton.runtime.JITFunction)
+
+
+def parts_per_row(rows: int, vocab: int) -> int:
+    """Programs per row of a round: about TARGET_PROGRAMS in all, each at least one BLOCK of the row."""
+    return max(1, min(triton.cdiv(vocab, BLOCK), triton.cdiv(TARGET_PROGRAMS, max(rows, 1))))
+
+
+def filter_floor_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor:
+    assert logits.dim() == 2 and logits.stride(-1) == 1, "logits must be [R, V] with contiguous rows"
+    assert sum(DIGITS) == KEY_BITS
+    if not logits.is_cuda and not interpreted():
+        raise RuntimeError("Triton top-k / top-p on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    rows, vocab = logits.shape
+    # NOTE: allocated by torch on the logits' device: inside a CUDA graph capture, from the graph's pool.
+    floor = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return floor
+    scratch = torch.zeros(rows, _ROW_WORDS, dtype=torch.int64, device=logits.device)
+    parts = parts_per_row(rows, vocab)
+    span = triton.cdiv(triton.cdiv(vocab, parts), BLOCK) * BLOCK
+    parts = triton.cdiv(vocab, span)
+    args = (logits, shift.float().contiguous(), inv_t.float().contiguous(), top_k.long().contiguous(),
+            top_p.float().contiguous(), scratch, vocab, logits.stride(0), span)
+    constants = dict(STATE=_STATE, ROW_WORDS=_ROW_WORDS, Z_BINS=1 << DIGITS[0], Z_OFFSET=_STAGE_OFFSETS[3],
+                     KEY_K=_KEY_K, KEY_ALL=KEY_ALL)
+    high = KEY_BITS
+    for stage, bits in enumerate(_STAGE_BINS):
+        if stage == 3:
+            high = KEY_BITS
+        prev = max(stage - 1, 0)
+        _round_kernel[(rows, parts)](*args, STAGE=stage, MASS=stage >= 3, FIRST=stage in (0, 3),
+                                     OFFSET=_STAGE_OFFSETS[stage], PREV_OFFSET=_STAGE_OFFSETS[prev], BITS=bits,
+                                     PREV_BITS=_STAGE_BINS[prev], HIGH=high, SCALE=float(2**MASS_BITS), BLOCK=BLOCK,
+                                     ACCURATE=not interpreted(), num_warps=4, **constants)
+        high -= bits
+    _finish_kernel[(rows,)](args[3], args[4], scratch, floor, OFFSET=_STAGE_OFFSETS[5], BITS=_STAGE_BINS[5],
+                            num_warps=4, **constants)
+    return floor
