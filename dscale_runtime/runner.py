@@ -439,7 +439,7 @@ class StepResult:
     drafts: list[list[int]]  # [n][W] anchor + drafts of each request
     num_rows: int  # M_live
     features: torch.Tensor | None  # [n, spec.width] float32 on the CPU (traced steps)
-    device_ms: float | None = None  # the step's device time: CUDA events around its copies and replay (CPU: wall)
+    device_ms: float | None = None  # the step's device time: CUDA events around its replay and result copy (CPU: wall)
 
 
 class StepRunner:
@@ -615,12 +615,14 @@ class StepRunner:
             bound = int((np.asarray(ctx, dtype=np.int64) + ahead * self.block_size).max(initial=0))
             unread = (self.unread, read)
         on_cuda = self.device.type == "cuda"
-        # NOTE: stream-ordered: the start event fires when the device reaches this step (after the one before it)
+        wall = time.perf_counter()
+        step.buf.fill(anchors, ctx, pages, sampling, rows, context, slots, host, bound)
+        # NOTE: stream-ordered, recorded after the host staging and right before the replay: the start event fires
+        # when the device reaches the step, so the host's staging time (which an event recorded before `fill` counts
+        # whenever the device waits for the host) stays out of the step's device time
         started = torch.cuda.Event(enable_timing=True) if on_cuda else None
         if started is not None:
             started.record()
-        wall = time.perf_counter()
-        step.buf.fill(anchors, ctx, pages, sampling, rows, context, slots, host, bound)
         result = step()
         if unread is not None:
             np.add.at(self.unread, unread[1], 1)
@@ -664,7 +666,7 @@ class PendingStep:
     out: AsyncRead
     features: AsyncRead | None
     unread: tuple[np.ndarray, np.ndarray] | None = None  # (the runner's unread counts, this step's slots)
-    started: "torch.cuda.Event | float | None" = None  # CUDA: the event before the step's copies; CPU: its wall ms
+    started: "torch.cuda.Event | float | None" = None  # CUDA: the event before the step's replay; CPU: its wall ms
 
     def result(self) -> StepResult:
         n = self.num_live

@@ -50,12 +50,12 @@ def random_batch(rows: int, vocab: int, seed: int, dtype=torch.bfloat16) -> tupl
 
 
 def keep_of(logits: torch.Tensor, rows: SamplingRows, floor: torch.Tensor) -> torch.Tensor:
-    s = scaled_logits(logits, logits.float().amax(-1), 1.0 / rows.temperature.clamp_min(1e-6))
+    s = scaled_logits(logits, logits.float().amax(-1), 1.0 / rows.temperature.to(logits.device).clamp_min(1e-6))
     return s >= floor.to(s.device)[:, None]
 
 
 def ref_keep(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    s = scaled_logits(logits, logits.float().amax(-1), 1.0 / rows.temperature.clamp_min(1e-6))
+    s = scaled_logits(logits, logits.float().amax(-1), 1.0 / rows.temperature.to(logits.device).clamp_min(1e-6))
     return filter_keep_ref(s, rows.top_k.to(s.device), rows.top_p.to(s.device))
 
 
