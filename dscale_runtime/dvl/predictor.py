@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dscale_runtime.dvl.features import FEATURE_VERSION, FeatureSpec, hidden_projection
+from dscale_runtime.dvl.features import FEATURE_VERSIONS, FeatureSpec, hidden_projection
 from dscale_runtime.models.config import DFlashConfig, Qwen3Config
 from dscale_runtime.models.loader import file_sha256
 
@@ -104,16 +104,18 @@ def load_predictor(path: str | Path, identity: dict | None = None, spec: Feature
     if art.get("format_version") != ARTIFACT_VERSION:
         raise PredictorError(f"{path}: artifact format_version {art.get('format_version')}, this runtime reads "
                              f"{ARTIFACT_VERSION}")
-    want = spec or FeatureSpec()
+    version = (art.get("feature_spec") or {}).get("version") if isinstance(art.get("feature_spec"), dict) else None
+    if version not in FEATURE_VERSIONS:
+        raise PredictorError(f"{path}: feature spec version '{version}', this runtime computes "
+                             f"{', '.join(FEATURE_VERSIONS)}; retrain the predictor on traces collected with one of them")
     try:
         got = FeatureSpec.from_dict(art["feature_spec"])
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise PredictorError(f"{path}: unreadable 'feature_spec' ({exc})") from exc
-    if got.version != FEATURE_VERSION:
-        raise PredictorError(f"{path}: feature spec version '{got.version}', this runtime computes '{FEATURE_VERSION}';"
-                             " retrain the predictor on traces collected with this version")
-    if got != want:
-        raise PredictorError(f"{path}: feature spec {got.to_dict()} differs from the runtime's {want.to_dict()}")
+    # NOTE: the runtime computes any known version (the engine takes the layout from the artifact); `spec` pins
+    # the layout when a caller needs one in particular, and then the version too.
+    if spec is not None and got != spec:
+        raise PredictorError(f"{path}: feature spec {got.to_dict()} differs from the runtime's {spec.to_dict()}")
     if identity is not None:
         for part in ("target", "drafter"):
             stored = art.get("identity", {}).get(part, {})
