@@ -534,7 +534,7 @@ def decision_parts(run: Run, bench: Bench, step, block, logits, hidden, cuda: bo
     from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 
     args, spec, buf = run.args, bench.spec, step.buf
-    features = acceptance_features(spec, logits, hidden, bench.projection, buf.context)
+    features = acceptance_features(spec, logits, hidden, bench.projection, buf.context, sampling=buf.sampling_columns(spec))
     scores = bench.predictor.scores(features)
     seeds = seed_lengths(scores, BLOCK)
     live = buf.live > 0
@@ -543,7 +543,7 @@ def decision_parts(run: Run, bench: Bench, step, block, logits, hidden, cuda: bo
         "confidence ref": lambda: confidence_features_ref(logits, spec.num_ranks),
         "confidence triton": lambda: confidence_features(logits, spec.num_ranks, backend="triton"),
         "features (served)": lambda: acceptance_features(spec, logits, hidden, bench.projection, buf.context,
-                                                         bench.served.features),
+                                                         bench.served.features, buf.sampling_columns(spec)),
         "predictor + seeds": lambda: seed_lengths(bench.predictor.scores(features), BLOCK),
         "allocate": lambda: allocate(scores, seeds, live, buf.budget),
         "pack + metadata": lambda: packed_metadata(flat_pack(lens, block, buf.ctx, buf.block_tables, step.num_rows,
@@ -863,7 +863,7 @@ def normalise(bench: Bench, n: int) -> None:
 
     step, (_, logits, hidden, _) = eager_step(bench, n, 1.0, "dflash")
     fit_normalisation(bench.predictor, acceptance_features(bench.spec, logits, hidden, bench.projection,
-                                                           step.buf.context))
+                                                           step.buf.context, sampling=step.buf.sampling_columns(bench.spec)))
 
 
 def format_table(result: dict) -> str:

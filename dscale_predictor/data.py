@@ -5,7 +5,7 @@ deterministic for a seed: within each dataset the sorted prompt ids are shuffled
 and cut into train / val / test fractions.
 
 Batches are the same on any number of devices (DDP): `GlobalBatches` draws one device's batches of
-`batch_size` records (a seeded permutation per epoch for training, logged order for validation) and hands every
+`batch_size` records (a permutation seeded by the seed and the epoch for training, logged order for validation) and hands every
 rank its contiguous part of each, so the devices together see exactly the records one device would, step by
 step; `PredictorModule` weighs each part so that DDP's gradient average is the global batch's mean.
 """
@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from dscale_runtime.dvl.features import FeatureSpec
 
 
 class TraceError(ValueError):
@@ -38,10 +40,25 @@ class Traces:
     batch_id: np.ndarray  # [R] object (str): records of one verification batch share it
     concurrency: np.ndarray  # [R] int64
     manifest: dict
+    temperature: np.ndarray | None = None  # [R] float64: the request's temperature (0 = greedy)
+    sampling_rule: np.ndarray | None = None  # [R] object (str): greedy, top1 or sampled
+
+    def __post_init__(self) -> None:
+        if self.temperature is None:  # NOTE: format-1 folders hold one temperature, named in the manifest's config
+            t = float(self.manifest.get("config", {}).get("temperature", 0.0) or 0.0)
+            self.temperature = np.full(len(self.accepted), t)
+        if self.sampling_rule is None:
+            rule = "greedy" if not self.temperature.any() else "unknown"
+            self.sampling_rule = np.full(len(self.accepted), rule, dtype=object)
 
     def subset(self, mask: np.ndarray) -> "Traces":
         return Traces(self.features[mask], self.accepted[mask], self.prompt_id[mask], self.dataset[mask],
-                      self.batch_id[mask], self.concurrency[mask], self.manifest)
+                      self.batch_id[mask], self.concurrency[mask], self.manifest, self.temperature[mask],
+                      self.sampling_rule[mask])
+
+    def with_features(self, features: np.ndarray) -> "Traces":
+        return Traces(features, self.accepted, self.prompt_id, self.dataset, self.batch_id, self.concurrency,
+                      self.manifest, self.temperature, self.sampling_rule)
 
     def __len__(self) -> int:
         return len(self.accepted)
@@ -57,13 +74,36 @@ def read_traces(folder: str | Path) -> Traces:
     if not shards:
         raise TraceError(f"{folder}: no shards/*.parquet")
     cols = ["features", "accepted", "prompt_id", "dataset", "batch_id", "concurrency"]
-    tables = [pq.read_table(s, columns=cols) for s in shards]
+    sampling = manifest.get("format_version", 1) >= 2  # per-record temperature and sampling rule
+    tables = [pq.read_table(s, columns=cols + (["temperature", "sampling_rule"] if sampling else [])) for s in shards]
     width = manifest["feature_width"]
     feats = np.concatenate([np.asarray(t.column("features").combine_chunks().flatten(), dtype=np.float32)
                             .reshape(-1, width) for t in tables])
     get = lambda name: np.concatenate([t.column(name).to_numpy(zero_copy_only=False) for t in tables])  # noqa: E731
     return Traces(feats, get("accepted").astype(np.int64), get("prompt_id"), get("dataset"), get("batch_id"),
-                  get("concurrency").astype(np.int64), manifest)
+                  get("concurrency").astype(np.int64), manifest,
+                  get("temperature").astype(np.float64).round(6) if sampling else None,
+                  get("sampling_rule").astype(object) if sampling else None)
+
+
+def select_traces(traces: Traces, spec: FeatureSpec, temperatures: list[float] | None,
+                  feature_version: str | None) -> tuple[Traces, FeatureSpec]:
+    """The records and layout a run trains on: only `temperatures` (a band predictor; None: all), in the layout of
+    `feature_version` (None: the traces' own; v1 from v2 traces drops the sampling columns, a predictor blind to
+    the temperature)."""
+    if temperatures is not None:
+        keep = np.isin(traces.temperature, np.round(np.asarray(temperatures, dtype=np.float64), 6))
+        if not keep.any():
+            raise TraceError(f"no records at temperatures {temperatures} (the traces hold "
+                             f"{sorted(set(traces.temperature.tolist()))}); fix --temperatures")
+        traces = traces.subset(keep)
+    if feature_version is None or feature_version == spec.version:
+        return traces, spec
+    want = FeatureSpec.from_dict({**spec.to_dict(), "version": feature_version})
+    if want.width > spec.width or want.names() != spec.names()[: want.width]:
+        raise TraceError(f"--feature_version {feature_version}: its layout is not a prefix of the traces' "
+                         f"{spec.version}; collect traces with it")
+    return traces.with_features(np.ascontiguousarray(traces.features[:, : want.width])), want
 
 
 def prompt_split(prompt_id: np.ndarray, dataset: np.ndarray, fractions: tuple[float, float, float],
@@ -83,20 +123,26 @@ def prompt_split(prompt_id: np.ndarray, dataset: np.ndarray, fractions: tuple[fl
 
 class TraceDataModule(L.LightningDataModule):
     def __init__(self, traces_dir: str, fractions: tuple[float, float, float] = (0.8, 0.1, 0.1), seed: int = 0,
-                 batch_size: int = 1024) -> None:
+                 batch_size: int = 1024, temperatures: list[float] | None = None,
+                 feature_version: str | None = None) -> None:
         super().__init__()
         self.traces_dir = traces_dir
         self.fractions = fractions
         self.seed = seed
         self.batch_size = batch_size
+        self.temperatures, self.feature_version = temperatures, feature_version
         self.splits: dict[str, Traces] = {}
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
         traces = read_traces(self.traces_dir)
+        # NOTE: split before selecting temperatures, so a band predictor's test prompts are the full set's.
         split = prompt_split(traces.prompt_id, traces.dataset, self.fractions, self.seed)
-        self.splits = {name: traces.subset(split == i) for i, name in enumerate(("train", "val", "test"))}
+        spec = FeatureSpec.from_dict(traces.manifest["feature_spec"])
+        for i, name in enumerate(("train", "val", "test")):
+            self.splits[name], self.spec = select_traces(traces.subset(split == i), spec, self.temperatures,
+                                                         self.feature_version)
         for name, part in self.splits.items():
             if not len(part):
                 raise TraceError(f"{self.traces_dir}: the {name} split is empty; collect more prompts")
@@ -124,14 +170,20 @@ class GlobalBatches(Sampler):
 
     def __init__(self, num_records: int, batch_size: int, rank: int, world: int, shuffle: bool, seed: int) -> None:
         self.num_records, self.batch_size, self.shuffle = num_records, batch_size, shuffle
-        self.rank, self.world = rank, world
-        self.generator = torch.Generator().manual_seed(seed)  # advances one permutation per epoch
+        self.rank, self.world, self.seed = rank, world, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this before every epoch; a resumed run draws the epochs an uninterrupted one would."""
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return -(-self.num_records // self.batch_size)
 
     def __iter__(self):
-        order = torch.randperm(self.num_records, generator=self.generator) if self.shuffle else torch.arange(
+        # NOTE: the permutation is a function of (seed, epoch), not of how many epochs this process has run.
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.num_records, generator=generator) if self.shuffle else torch.arange(
             self.num_records)  # [R]
         for batch in order.split(self.batch_size):
             # NOTE: parts differ in size by at most one (and are empty on some ranks when the batch is smaller than

@@ -1,8 +1,13 @@
 """`dscale-train --target demo`: fit the acceptance predictor on traces, evaluate it, export it.
 
 Reads the `train:` section of `configs/<target>.yaml`, command-line overrides on top, and saves the
-resolved config beside the outputs in `<run_dir>/`: Lightning CSV logs (curves), the best checkpoint,
-`report.json`, PNG plots; then `artifacts/<export_name>.pt` and `.onnx`.
+resolved config beside the outputs in `<run_dir>/`: Lightning CSV logs (curves), the best checkpoint and the
+last one (written every epoch), `report.json`, PNG plots; then `artifacts/<export_name>.pt` and `.onnx`.
+
+Resume: an interrupted run (killed, out of time) leaves `<run_dir>/checkpoints/last.ckpt`; rerunning the same
+command continues from it (Lightning's `ckpt_path`: weights, optimiser, scheduler, early-stopping and checkpoint
+state, the epoch) and ends with the report an uninterrupted run gives. A run dir whose checkpoint came from a
+different training setup is refused; a finished run is evaluated and exported again from its best checkpoint.
 
 Several devices or nodes: `--devices N --strategy ddp [--num-nodes M]` (Lightning starts one process per device
 from this same command, or runs inside torchrun's / SLURM's processes). `batch_size` stays the records per
@@ -34,6 +39,10 @@ from dscale_predictor.model import PredictorModule
 # Lightning strategies whose workers are spawned from inside this Python process: after fit it holds the weights
 # but not the loop state (epochs run) the report needs.
 SPAWNING_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")
+# Fields that do not change the trained weights: a run may be resumed with other values of these.
+NOT_TRAINING = ("run_dir", "export_name", "artifacts_dir", "cohort_sizes", "budget_ratio", "budget_ratios",
+                "accelerator", "devices", "strategy", "num_nodes", "target_path", "drafter_path")
+FINISHED = "finished.json"  # in <run_dir>/checkpoints: the run's fit ended (its epochs)
 
 
 @dataclass(frozen=True)
@@ -67,9 +76,16 @@ class TrainConfig:
     test_fraction: float = 0.1
     """Share of each dataset's prompts in the test split."""
     cohort_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])
-    """Cohort sizes N for retention at budget `budget_ratio x W x N`."""
+    """Cohort sizes N for retention at budget `ratio x W x N`."""
     budget_ratio: float = 0.5
-    """Verification budget of the retention evaluation (0.5 = 8N for W = 16)."""
+    """Verification budget of the headline retention (0.5 = 8N for W = 16): the report's `retention`."""
+    budget_ratios: list[float] = field(default_factory=lambda: [0.5, 0.25])
+    """Every budget the report evaluates (`retention_by_budget`, with the bound), `budget_ratio` included."""
+    temperatures: list[float] | None = None
+    """Train and evaluate on the records at these temperatures only (a predictor for one band); None: all."""
+    feature_version: str | None = None
+    """Feature layout of the predictor: None the traces' own; 'dscale-features-v1' from v2 traces drops the
+    sampling columns (a predictor that does not see the request's temperature)."""
     accelerator: str = "auto"
     """Lightning accelerator (cpu, gpu, auto)."""
     devices: int | str = 1
@@ -93,9 +109,17 @@ class TrainConfig:
             raise ValueError(f"num_nodes must be >= 1, got {self.num_nodes}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not all(0 < r <= 1 for r in [self.budget_ratio, *self.budget_ratios]):
+            raise ValueError(f"budget_ratio / budget_ratios must lie in (0, 1], got {self.budget_ratio} / "
+                             f"{self.budget_ratios}")
+
+    @property
+    def eval_ratios(self) -> tuple[float, ...]:
+        """The evaluated budgets, the headline one first."""
+        return tuple(dict.fromkeys([self.budget_ratio, *self.budget_ratios]))
 
 
-def train(cfg: TrainConfig) -> dict | None:
+def train(cfg: TrainConfig, callbacks: tuple = ()) -> dict | None:
     """Train, evaluate and export; returns the report (None on the other ranks of a multi-device run).
 
     Lightning's `deterministic=True` turns on torch's deterministic algorithms and sets CUBLAS_WORKSPACE_CONFIG
@@ -104,7 +128,7 @@ def train(cfg: TrainConfig) -> dict | None:
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     try:
-        return _train(cfg)
+        return _train(cfg, callbacks)
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         if saved[2] is None:
@@ -113,7 +137,21 @@ def train(cfg: TrainConfig) -> dict | None:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[2]
 
 
-def _train(cfg: TrainConfig) -> dict | None:
+def _resume_point(cfg: TrainConfig, run_dir: Path) -> tuple[Path | None, dict | None]:
+    """(last checkpoint to resume from, the finished run's record); refuses a run dir of another setup."""
+    last, done = run_dir / "checkpoints" / "last.ckpt", run_dir / "checkpoints" / FINISHED
+    if not last.is_file():
+        return None, None
+    saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    now = json.loads(json.dumps(asdict(cfg)))
+    for key, value in now.items():
+        if key not in NOT_TRAINING and saved.get(key) != value:
+            raise TraceError(f"{run_dir}: holds a checkpoint of a run with {key}={saved.get(key)!r}, this run has "
+                             f"{value!r}; pass another --run_dir (or delete {run_dir / 'checkpoints'} to start over)")
+    return last, json.loads(done.read_text()) if done.is_file() else None
+
+
+def _train(cfg: TrainConfig, callbacks: tuple = ()) -> dict | None:
     import lightning as L
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -121,33 +159,45 @@ def _train(cfg: TrainConfig) -> dict | None:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    resume, finished = _resume_point(cfg, run_dir)
     dm = TraceDataModule(cfg.traces, (1 - cfg.val_fraction - cfg.test_fraction, cfg.val_fraction,
-                                      cfg.test_fraction), cfg.seed, cfg.batch_size)
+                                      cfg.test_fraction), cfg.seed, cfg.batch_size, cfg.temperatures,
+                         cfg.feature_version)
     dm.setup()
     manifest = dm.splits["train"].manifest
-    spec = FeatureSpec.from_dict(manifest["feature_spec"])
+    spec = dm.spec
     identity, projection = _identity(cfg, manifest, spec)
     module = PredictorModule(spec.to_dict(), tuple(cfg.hidden_sizes), cfg.lr, cfg.weight_decay, dm.mean, dm.std)
     params = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor="val_loss", mode="min", save_top_k=1)
+    # NOTE: save_last: last.ckpt after every epoch's validation, the point an interrupted run resumes from.
+    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor="val_loss", mode="min", save_top_k=1,
+                                 save_last=True)
     # NOTE: use_distributed_sampler=False: the data module cuts every batch across the ranks itself (GlobalBatches);
     # Lightning's DistributedSampler would give each rank other records, in another order, than one device sees.
     trainer = L.Trainer(max_epochs=cfg.max_epochs, accelerator=cfg.accelerator, devices=cfg.devices,
                         strategy=cfg.strategy, num_nodes=cfg.num_nodes, use_distributed_sampler=False,
                         deterministic=True, logger=CSVLogger(run_dir, name="logs", version=""),
                         enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[checkpoint, EarlyStopping("val_loss", patience=cfg.patience, mode="min")])
+                        callbacks=[checkpoint, EarlyStopping("val_loss", patience=cfg.patience, mode="min"),
+                                   *callbacks])
     if trainer.is_global_zero:
         (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        how = ("finished: evaluating its best checkpoint" if finished else f"resuming from {resume}" if resume
+               else "new run")
         print(f"dscale-train: predictor with {params:,} trainable parameters; records train/val/test = "
               f"{len(dm.splits['train'])}/{len(dm.splits['val'])}/{len(dm.splits['test'])}; "
-              f"{trainer.world_size} process(es), {cfg.batch_size} records per step", flush=True)
+              f"{trainer.world_size} process(es), {cfg.batch_size} records per step; {how}", flush=True)
     start = time.time()
-    trainer.fit(module, datamodule=dm)
+    if finished is None:
+        trainer.fit(module, datamodule=dm, ckpt_path=resume)
+        finished = {"epochs": trainer.current_epoch, "best": Path(checkpoint.best_model_path).name}
+        if trainer.is_global_zero:
+            (run_dir / "checkpoints" / FINISHED).write_text(json.dumps(finished) + "\n")
     seconds = time.time() - start
     if not trainer.is_global_zero:
         return None  # the other ranks of a DDP run: rank 0 evaluates and exports
-    best = PredictorModule.load_from_checkpoint(checkpoint.best_model_path, map_location="cpu", weights_only=False)
+    best_path = run_dir / "checkpoints" / finished["best"]
+    best = PredictorModule.load_from_checkpoint(best_path, map_location="cpu", weights_only=False)
     model = best.model.cpu().eval()
     test = dm.splits["test"]
     with torch.no_grad():
@@ -155,17 +205,18 @@ def _train(cfg: TrainConfig) -> dict | None:
     raw = torch.sigmoid(logits).numpy()
     scores = np.minimum.accumulate(raw, axis=1)
     w = spec.num_positions + 1
-    report = evaluate(scores, raw, test, dm.splits["train"], spec, tuple(cfg.cohort_sizes), cfg.budget_ratio, w)
+    report = evaluate(scores, raw, test, dm.splits["train"], spec, tuple(cfg.cohort_sizes), cfg.eval_ratios, w)
     with torch.no_grad():
         val = dm.splits["val"]
         val_scores = torch.sigmoid(model(torch.from_numpy(val.features))).cummin(dim=1).values.numpy()
     from sklearn.metrics import r2_score
 
     report.update({"val_r2_accepted": round(float(r2_score(val.accepted, val_scores.sum(1))), 4),
-                   "parameters": params, "train_seconds": round(seconds, 1), "epochs": trainer.current_epoch,
+                   "parameters": params, "train_seconds": round(seconds, 1), "epochs": finished["epochs"],
                    "records": {k: len(v) for k, v in dm.splits.items()},
                    "prompts": {k: len(set(v.prompt_id.tolist())) for k, v in dm.splits.items()},
-                   "feature_spec": spec.to_dict(), "traces": cfg.traces})
+                   "feature_spec": spec.to_dict(), "traces": cfg.traces, "temperatures": cfg.temperatures,
+                   "budget_ratios": list(cfg.eval_ratios)})
     (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     _plots(report, run_dir)
     out = Path(cfg.artifacts_dir)
@@ -201,7 +252,10 @@ def _headline(report: dict) -> dict:
     return {"r2_accepted": report["r2_accepted"], "spearman_mean_gap_vs_accepted":
             report["spearman_mean_gap_vs_accepted"], "auroc": report["per_position"]["auroc"],
             "retention_after_8N": {n: {m: (v or {}).get("retention") for m, v in row.items()} for n, row in ret.items()},
-            "retention_raw": {n: (row["predictor"] or {}).get("retention_raw") for n, row in ret.items()}}
+            "retention_raw": {n: (row["predictor"] or {}).get("retention_raw") for n, row in ret.items()},
+            "retention_by_budget": {r: {n: {m: (v or {}).get("retention") for m, v in row.items()}
+                                        for n, row in table.items()} for r, table in report["retention_by_budget"].items()},
+            "ece_by_temperature": {t: e["ece"][:3] for t, e in report["by_temperature"].items()}}
 
 
 def _plots(report: dict, run_dir: Path) -> None:
@@ -220,11 +274,14 @@ def _plots(report: dict, run_dir: Path) -> None:
     axes[1].set(title="calibration", xlabel="draft position j")
     axes[1].legend()
     sizes = list(report["retention"])
-    methods = ["predictor", "online_logistic", "mean_gap_heuristic", "fixed_width_8"]
+    methods = ["oracle", "predictor", "online_logistic", "mean_gap_heuristic"]
+    methods += [m for m in report["retention"][sizes[0]] if m.startswith("fixed_width")]
     for i, m in enumerate(methods):
         vals = [(report["retention"][n].get(m) or {}).get("retention", np.nan) for n in sizes]
-        axes[2].bar(np.arange(len(sizes)) + i * 0.2, vals, width=0.2, label=m)
-    axes[2].set(title="retention at budget 8N (Algorithm 1)", xticks=np.arange(len(sizes)) + 0.3,
+        axes[2].bar(np.arange(len(sizes)) + i * 0.16, vals, width=0.16, label=m)
+    ratio = report["budget_ratios"][0]
+    axes[2].set(title=f"retention at budget {ratio} x W x N (Algorithm 1; oracle = bound)",
+                xticks=np.arange(len(sizes)) + 0.3,
                 xticklabels=[f"N={n}" for n in sizes], ylim=(0, 1))
     axes[2].legend(fontsize=8)
     fig.tight_layout()

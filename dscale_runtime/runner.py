@@ -34,7 +34,7 @@ import torch
 
 from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.dvl.allocate import allocate, budget_rows
-from dscale_runtime.dvl.features import acceptance_features
+from dscale_runtime.dvl.features import acceptance_features, sampling_features
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import seed_lengths
 from dscale_runtime.graphs import GraphedCall, cuda_times
@@ -180,6 +180,13 @@ class StepBuffers:
             staging.copied.record()
             staging.pending = True
 
+    def sampling_columns(self, spec) -> torch.Tensor:
+        """The feature spec's sampling columns [B, spec.num_sampling] of the staged requests: temperature (0 for
+        greedy rows: their staged temperature is a placeholder 1) and whether their drafts are sampled."""
+        greedy = self.rule == RULE_GREEDY
+        return sampling_features(spec, torch.where(greedy, torch.zeros_like(self.temperature), self.temperature),
+                                 self.rule == RULE_SAMPLED)
+
     def sampling_rows(self, backend: str = "ref") -> SamplingRows:
         return SamplingRows(self.rule == RULE_GREEDY, self.temperature, self.top_k, self.top_p, self.seed_lo,
                             self.seed_hi, backend)
@@ -306,7 +313,8 @@ class BucketStep:
         b, w = buf.size, self.width
         features = None
         if kind.mode == "dscale" or kind.features:
-            features = acceptance_features(r.feature_spec, logits, hidden, r.projection, buf.context, r.features_backend)
+            features = acceptance_features(r.feature_spec, logits, hidden, r.projection, buf.context, r.features_backend,
+                                           buf.sampling_columns(r.feature_spec))
         if kind.mode != "dscale":
             return Decision(torch.full_like(buf.ctx, w), torch.arange(b, device=block.device) * w, block.reshape(-1),
                             block_metadata(buf, w, causal=True, max_kv=self.max_kv), features)

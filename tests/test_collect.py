@@ -244,3 +244,23 @@ def test_chat_template_with_thinking_disabled(tiny_setup):
                          "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
     assert format_prompt(tok, "x = 1", "auto") == "<user>x = 1<assistant><no-think>"
     assert format_prompt(tok, "x = 1", "off") == "x = 1"
+
+
+def test_several_temperatures_into_one_trace_set(tiny_setup, tmp_path):
+    """--temperatures: each record carries its temperature and rule, in its v2 feature columns too, and the greedy
+    part equals a greedy-only collection (the ids apart)."""
+    root, config = tiny_setup
+    section = yaml.safe_load(config.read_text())["collect"]
+    base = dict(section, concurrency=[2], max_new_tokens=12, max_prompts=4)
+    both = collect(CollectConfig(**dict(base, output=str(tmp_path / "both"), temperatures=[0.0, 0.8])))
+    greedy = collect(CollectConfig(**dict(base, output=str(tmp_path / "greedy"))))
+    assert set(both["counts"]["by_temperature"]) == {"0.0", "0.8"}
+    spec = FeatureSpec()
+    rows = _records(tmp_path / "both")
+    assert {(round(r["temperature"], 4), r["sampling_rule"]) for r in rows} == {(0.0, "greedy"), (0.8, "sampled")}
+    for r in rows:
+        assert r["features"][spec.temperature_column :] == pytest.approx([r["temperature"], float(r["temperature"] > 0)])
+    strip = lambda r: (r["prompt_id"], r["step"], r["accepted"], r["features"])  # noqa: E731
+    assert [strip(r) for r in rows if r["temperature"] == 0] == [strip(r) for r in _records(tmp_path / "greedy")]
+    assert greedy["counts"]["records"] == sum(r["temperature"] == 0 for r in rows)
+    assert all("-t800-" in r["request_id"] for r in rows if r["temperature"] > 0)

@@ -18,6 +18,7 @@ from dscale_runtime.dvl.features import (
     acceptance_features,
     context_features,
     hidden_projection,
+    sampling_features,
 )
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import (
@@ -31,8 +32,9 @@ from dscale_runtime.kv_cache import SCRATCH_PAGE
 
 
 # ----------------------------------------------------------------------------------------------- features
-def features_slow(logits: np.ndarray, hidden: np.ndarray, proj: np.ndarray, ctx: np.ndarray, ranks: int):
-    """Loops and float64 numpy, straight from DESIGN 3.1."""
+def features_slow(logits: np.ndarray, hidden: np.ndarray, proj: np.ndarray, ctx: np.ndarray, ranks: int,
+                  sampling: np.ndarray | None = None):
+    """Loops and float64 numpy, straight from DESIGN 3.1 (+ the v2 sampling columns)."""
     n, p, v = logits.shape
     rows = []
     for i in range(n):
@@ -48,21 +50,28 @@ def features_slow(logits: np.ndarray, hidden: np.ndarray, proj: np.ndarray, ctx:
         for j in range(p):
             row += list(hidden[i, j].astype(np.float64) @ proj.astype(np.float64))
         row += list(ctx[i])
+        row += list(sampling[i]) if sampling is not None else []
         rows.append(row)
     return np.array(rows)
 
 
-def test_features_equal_slow_reference():
-    spec = FeatureSpec()
+@pytest.mark.parametrize("legacy", [False, True])
+def test_features_equal_slow_reference(legacy):
+    spec = FeatureSpec.legacy() if legacy else FeatureSpec()
     gen = torch.Generator().manual_seed(0)
     n, v, d = 3, 50, 12
     logits = torch.randn(n, spec.num_positions, v, generator=gen) * 3
     hidden = torch.randn(n, spec.num_positions, d, generator=gen)
     proj = hidden_projection(spec, d)
     ctx = context_features(spec, n, [10, 200, 7], [0, 5, 2], [[], [3, 0, 15, 4, 9], [1, 2]], "cpu")
-    got = acceptance_features(spec, logits, hidden, proj, ctx)
-    want = features_slow(logits.numpy(), hidden.numpy(), proj.numpy(), ctx.numpy(), spec.num_ranks)
+    sampling = None if legacy else sampling_features(spec, torch.tensor([0.0, 1.0, 0.7]),
+                                                     torch.tensor([False, True, False]))
+    got = acceptance_features(spec, logits, hidden, proj, ctx, sampling=sampling)
+    want = features_slow(logits.numpy(), hidden.numpy(), proj.numpy(), ctx.numpy(), spec.num_ranks,
+                         None if legacy else np.array([[0, 0], [1, 1], [0.7, 0]]))
     assert got.shape == (n, spec.width) == (n, len(spec.names()))
+    if not legacy:
+        assert spec.names()[spec.temperature_column] == "temperature" and spec.names()[-1] == "sampled_drafts"
     np.testing.assert_allclose(got.numpy(), want, atol=1e-5, rtol=1e-5)
     # Batch context columns: num_live, context_len, decode_step, history_len, most recent accepted first.
     assert ctx[1].tolist() == [3, 200, 5, 4, 9, 4, 15, 0]
@@ -72,7 +81,10 @@ def test_features_equal_slow_reference():
 def test_spec_width_and_projection_are_fixed():
     spec = FeatureSpec()
     assert spec.version == FEATURE_VERSION
-    assert spec.num_confidence == 270 and spec.width == 270 + 60 + 8
+    assert spec.num_confidence == 270 and spec.width == 270 + 60 + 8 + 2
+    assert FeatureSpec.legacy().width == 270 + 60 + 8  # v1 artifacts keep their layout
+    with pytest.raises(ValueError, match="dscale-features-v0"):
+        FeatureSpec(version="dscale-features-v0")
     assert torch.equal(hidden_projection(spec, 64), hidden_projection(spec, 64))
     assert not torch.equal(hidden_projection(spec, 64), hidden_projection(FeatureSpec(proj_seed=1), 64))
 

@@ -41,7 +41,8 @@ def tiny_bench(device: str = "cpu", max_n: int = N, seed: int = 3) -> "gpu_step.
     b = gpu_step.Bench(gpu_step.SHAPES["tiny"], device, torch.float32, max_n=max_n, context=37, seed=seed)
     with torch.no_grad():
         step, (_, logits, hidden, _) = gpu_step.eager_step(b, max_n, 1.0, "dflash")
-        features = acceptance_features(b.spec, logits, hidden, b.projection, step.buf.context)
+        features = acceptance_features(b.spec, logits, hidden, b.projection, step.buf.context,
+                                       sampling=step.buf.sampling_columns(b.spec))
         gpu_step.fit_normalisation(b.predictor, features)
         b.predictor.mlp[0].weight.mul_(6.0)
     return b

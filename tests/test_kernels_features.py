@@ -18,7 +18,8 @@ import torch
 
 from markers import needs_cuda, needs_triton
 from dscale_runtime.dvl import features as dvl_features
-from dscale_runtime.dvl.features import FeatureSpec, acceptance_features, context_features, hidden_projection
+from dscale_runtime.dvl.features import (FeatureSpec, acceptance_features, context_features, hidden_projection,
+                                         sampling_features)
 from dscale_runtime.kernels import KernelChoice
 from dscale_runtime.kernels.features import confidence_features, confidence_features_ref, features_backend
 
@@ -209,10 +210,11 @@ def test_acceptance_features_take_the_runners_backend(monkeypatch):
     hidden = torch.randn(2, spec.num_positions, 24, generator=torch.Generator().manual_seed(5))
     projection = hidden_projection(spec, 24)
     context = context_features(spec, 2, [30, 7], [3, 0], [[4, 15, 0], []], "cpu")
-    portable = acceptance_features(spec, logits, hidden, projection, context)
+    sampling = sampling_features(spec, torch.tensor([0.0, 0.7]), torch.tensor([False, True]))
+    portable = acceptance_features(spec, logits, hidden, projection, context, sampling=sampling)
     assert calls == [] and portable.shape == (2, spec.width)
     assert torch.equal(portable[:, : spec.num_confidence], confidence_features_ref(logits, spec.num_ranks))
-    fast = acceptance_features(spec, logits, hidden, projection, context, backend="triton")
+    fast = acceptance_features(spec, logits, hidden, projection, context, backend="triton", sampling=sampling)
     assert calls == [1]
     torch.testing.assert_close(fast, portable, rtol=1e-4, atol=1e-5)
     assert torch.equal(fast[:, spec.num_confidence :], portable[:, spec.num_confidence :])

@@ -22,8 +22,9 @@ from dscale_predictor.train import TrainConfig, train
 from trace_collection.store import TraceStore
 
 
-def write_synthetic_traces(folder, target, drafter, num_prompts=90, seed=0):
-    """Traces in the dscale-collect format whose labels follow the drafts' top1-top2 gaps (plus noise)."""
+def write_synthetic_traces(folder, target, drafter, num_prompts=90, seed=0, temperatures=(0.0, 1.0)):
+    """Traces in the dscale-collect format whose labels follow the drafts' top1-top2 gaps (plus noise) and, at
+    T = 1, fall by two drafts a step: a predictor must read the temperature column to stay calibrated."""
     spec = FeatureSpec()
     rng = np.random.default_rng(seed)
     proj = hidden_projection(spec, 32)
@@ -33,27 +34,32 @@ def write_synthetic_traces(folder, target, drafter, num_prompts=90, seed=0):
         "hidden_projection_sha256": hashlib.sha256(proj.numpy().tobytes()).hexdigest(),
         "models": {}, "config": {"target": str(target), "drafter": str(drafter)}, "prompts": {}})
     chunk = 0
-    for c in (8, 16):
-        cols = {k: [] for k in ("prompt_id", "dataset", "concurrency", "request_id", "step", "batch_id", "num_live",
-                                "context_len", "accepted", "features")}
-        for step in range(40):
-            live = rng.choice(num_prompts, size=c, replace=False)
-            for p in live:
-                quality = rng.normal(p % 7 - 3, 1.0)  # prompts differ in how well they are drafted
-                f = rng.normal(0, 1, spec.width).astype(np.float32)
-                gaps = np.clip(quality + 2 - 0.4 * np.arange(15) + rng.normal(0, 0.5, 15), 0, None)
-                f[[j * spec.per_position + 1 for j in range(15)]] = gaps
-                cols["prompt_id"].append(f"{'ab'[p % 2]}/{p}")
-                cols["dataset"].append("ab"[p % 2])
-                cols["concurrency"].append(c)
-                cols["request_id"].append(f"c{c}-p{p}")
-                cols["step"].append(step)
-                cols["batch_id"].append(f"c{c}-k0-s{step}")
-                cols["num_live"].append(c)
-                cols["context_len"].append(100 + step)
-                cols["accepted"].append(int(np.clip(np.round(2 * quality + 5 + rng.normal(0, 1)), 0, 15)))
-                cols["features"].append(f.tolist())
-        store.write_shard(c, chunk, cols, spec.width)
+    for t in temperatures:
+        for c in (8, 16):
+            cols = {k: [] for k in ("prompt_id", "dataset", "concurrency", "request_id", "step", "batch_id",
+                                    "num_live", "context_len", "accepted", "features", "temperature",
+                                    "sampling_rule")}
+            for step in range(40):
+                live = rng.choice(num_prompts, size=c, replace=False)
+                for p in live:
+                    quality = rng.normal(p % 7 - 3, 1.0)  # prompts differ in how well they are drafted
+                    f = rng.normal(0, 1, spec.width).astype(np.float32)
+                    gaps = np.clip(quality + 2 - 0.4 * np.arange(15) + rng.normal(0, 0.5, 15), 0, None)
+                    f[[j * spec.per_position + 1 for j in range(15)]] = gaps
+                    f[spec.temperature_column :] = [t, float(t > 0)]
+                    cols["prompt_id"].append(f"{'ab'[p % 2]}/{p}")
+                    cols["dataset"].append("ab"[p % 2])
+                    cols["concurrency"].append(c)
+                    cols["request_id"].append(f"c{c}-t{t}-p{p}")
+                    cols["step"].append(step)
+                    cols["batch_id"].append(f"c{c}-t{t}-k0-s{step}")
+                    cols["num_live"].append(c)
+                    cols["context_len"].append(100 + step)
+                    cols["accepted"].append(int(np.clip(np.round(2 * quality + 5 - 2 * t + rng.normal(0, 1)), 0, 15)))
+                    cols["features"].append(f.tolist())
+                    cols["temperature"].append(t)
+                    cols["sampling_rule"].append("sampled" if t > 0 else "greedy")
+            store.write_shard(c, chunk, cols, spec.width, t)
     store.update_counts(manifest)
     return folder
 
@@ -98,10 +104,50 @@ def test_report_has_metrics_and_baselines(setup):
     assert report["r2_accepted"] > 0.3, "labels follow the features: the predictor must find that"
     for n in ("8", "16"):
         row = report["retention"][n]
-        assert set(row) == {"predictor", "mean_gap_heuristic", "online_logistic", "fixed_width_8"}
+        assert set(row) == {"predictor", "mean_gap_heuristic", "online_logistic", "fixed_width_8", "oracle"}
         assert row["predictor"]["mean_verify_len"] == pytest.approx(8.0)
         assert row["predictor"]["retention"] > row["fixed_width_8"]["retention"]
     assert report["retention"]["32"]["predictor"]["cohorts"] >= 1
+    # The bound at every budget and cohort size: no method keeps more, and it spends the same rows.
+    assert list(report["retention_by_budget"]) == ["0.5", "0.25"] and report["budget_ratios"] == [0.5, 0.25]
+    assert report["retention_by_budget"]["0.5"] == report["retention"]
+    for ratio, table in report["retention_by_budget"].items():
+        for n, row in table.items():
+            bound = row["oracle"]
+            assert bound["mean_verify_len"] == pytest.approx(float(ratio) * 16) and bound["of_bound"] == 1.0
+            width = round(float(ratio) * 16)
+            assert row[f"fixed_width_{width}"]["mean_verify_len"] == width
+            for name, figures in row.items():
+                assert figures["retention"] <= bound["retention"], (ratio, n, name)
+                assert figures["of_bound"] == pytest.approx(figures["retention"] / bound["retention"], abs=1e-4)
+            assert row["predictor"]["cohorts"] == bound["cohorts"]
+    # Per temperature: calibration and retention of each temperature's records.
+    temps = report["by_temperature"]
+    assert set(temps) == {"0.0", "1.0"} and temps["1.0"]["sampling_rules"] == ["sampled"]
+    assert sum(t["records"] for t in temps.values()) == report["test_records"]
+    assert temps["1.0"]["mean_accepted"] < temps["0.0"]["mean_accepted"] - 1
+    for t in temps.values():
+        assert len(t["ece"]) == 15 and abs(t["mean_predicted"] - t["mean_accepted"]) < 1.0
+        assert set(t["retention_by_budget"]) == {"0.5", "0.25"}
+
+
+@pytest.mark.parametrize("n,width,ratio", [(3, 5, 0.5), (4, 4, 0.25), (3, 6, 0.75), (5, 3, 0.4)])
+def test_oracle_lengths_are_the_budgeted_optimum(n, width, ratio):
+    """The bound against brute force: every verify-length vector in [1, W]^n that spends the budget exactly."""
+    import itertools
+
+    from dscale_runtime.dvl.allocate import budget_rows
+    from dscale_predictor.evaluate import oracle_lengths
+
+    rng = np.random.default_rng(n * 100 + width)
+    budget = budget_rows(n, width, ratio)
+    for _ in range(25):
+        y = rng.integers(0, width, size=n)  # accepted drafts 0..W-1
+        best = max(np.minimum(y, np.array(k) - 1).sum() for k in itertools.product(range(1, width + 1), repeat=n)
+                   if sum(k) == budget)
+        k = oracle_lengths(y, budget, width)
+        assert k.sum() == budget and k.min() >= 1 and k.max() <= width
+        assert np.minimum(y, k - 1).sum() == best == min(y.sum(), budget - n)
 
 
 def test_same_seed_same_metrics(setup):
@@ -109,6 +155,37 @@ def test_same_seed_same_metrics(setup):
     again = train(replace(cfg, run_dir=str(root / "run2"), export_name="tiny2"))
     strip = lambda r: {k: v for k, v in r.items() if k != "train_seconds"}  # noqa: E731
     assert strip(again) == strip(report)
+
+
+def test_killed_run_resumes_to_the_uninterrupted_report(setup):
+    """An exception in the middle of epoch 3 of 6 (a kill between checkpoints), then the same command: it resumes from
+    last.ckpt and ends with the uninterrupted run's report; a rerun of the finished run gives it again, and a run
+    dir of another setup is refused."""
+    from lightning.pytorch.callbacks import Callback
+
+    from dscale_predictor.data import TraceError
+
+    class Killed(RuntimeError):
+        pass
+
+    class KillAfter(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.current_epoch == 2 and batch_idx == 1:
+                raise Killed("killed in the middle of epoch 3")
+
+    root, cfg, report = setup
+    cfg3 = replace(cfg, run_dir=str(root / "run3"), export_name="tiny3")
+    with pytest.raises(Killed):
+        train(cfg3, callbacks=(KillAfter(),))
+    checkpoints = root / "run3" / "checkpoints"
+    assert (checkpoints / "last.ckpt").is_file() and not (checkpoints / "finished.json").exists()
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["epoch"] == 1  # epochs 1-2 done, 3 lost
+    strip = lambda r: {k: v for k, v in r.items() if k != "train_seconds"}  # noqa: E731
+    resumed = train(cfg3)
+    assert strip(resumed) == strip(report)
+    assert strip(train(cfg3)) == strip(report)  # finished: evaluated again from its best checkpoint
+    with pytest.raises(TraceError, match="lr=0.002.*another --run_dir"):
+        train(replace(cfg3, lr=1e-3))
 
 
 def test_onnx_equals_pytorch(setup):

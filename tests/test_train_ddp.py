@@ -82,8 +82,12 @@ def test_global_batches_give_every_rank_its_part_of_the_one_device_batches(world
     one = GlobalBatches(num_records, batch, 0, 1, True, seed=3)
     ranks = [GlobalBatches(num_records, batch, r, world, True, seed=3) for r in range(world)]
     assert {len(s) for s in ranks} == {len(one)} == {5}  # every rank takes the same number of steps
-    for _ in range(2):  # two epochs: a new permutation each, the same on every rank
+    epochs = []
+    for epoch in range(2):  # two epochs: a new permutation each, the same on every rank
+        for sampler in (one, *ranks):
+            sampler.set_epoch(epoch)  # Lightning's call before every epoch
         whole = list(one)
+        epochs.append(torch.cat([i for i, _ in whole]))
         parts = [list(s) for s in ranks]
         for step, (indices, size) in enumerate(whole):
             pieces = [parts[r][step] for r in range(world)]
@@ -92,6 +96,9 @@ def test_global_batches_give_every_rank_its_part_of_the_one_device_batches(world
             lens = [len(p) for p, _ in pieces]
             assert max(lens) - min(lens) <= 1
         assert sorted(torch.cat([i for i, _ in whole]).tolist()) == list(range(num_records))
+    assert not torch.equal(epochs[0], epochs[1])
+    one.set_epoch(1)
+    assert torch.equal(torch.cat([i for i, _ in one]), epochs[1])  # a function of the epoch (a resumed run)
     assert [i.tolist() for i, _ in GlobalBatches(7, 3, 0, 1, False, 0)] == [[0, 1, 2], [3, 4, 5], [6]]
 
 

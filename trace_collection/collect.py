@@ -52,6 +52,12 @@ class CollectConfig:
     """Generated tokens per request (at most)."""
     temperature: float = 0.0
     """0 is greedy (the paper's setting); > 0 samples with per-request seeds derived from `seed`."""
+    temperatures: list[float] = field(default_factory=list)
+    """Several temperatures into one trace set: every prompt is decoded at each (and every concurrency); empty
+    takes `temperature` alone. Each record carries its temperature and sampling rule."""
+    sampling_rule: str = "auto"
+    """The engine's acceptance rule for sampled requests (EngineConfig.sampling_rule: auto, top1, sampled); collect
+    with the rule the server will use: the accepted counts depend on it."""
     seed: int = 0
     """Seed of the sampling streams and of the engine."""
     chunk_prompts: int = 64
@@ -80,10 +86,18 @@ class CollectConfig:
             raise ValueError(f"chunk_prompts must be >= 1, got {self.chunk_prompts}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if any(not t >= 0 for t in [self.temperature, *self.temperatures]):
+            raise ValueError(f"temperature / temperatures must be >= 0, got {self.temperature} / {self.temperatures}")
+        if len(set(self.temperatures)) != len(self.temperatures):
+            raise ValueError(f"temperatures must be distinct, got {self.temperatures}")
         if self.chat_template not in ("auto", "on", "off"):
             raise ValueError(f"chat_template must be auto, on or off, got '{self.chat_template}'")
         specs = [d if isinstance(d, DatasetSpec) else DatasetSpec(**d) for d in self.datasets]
         object.__setattr__(self, "datasets", specs)
+
+    @property
+    def temperature_list(self) -> list[float]:
+        return list(self.temperatures) or [self.temperature]
 
 
 def _prompt_digest(prompts: list[dict]) -> str:
@@ -109,7 +123,7 @@ def _collect(cfg: CollectConfig, workers: Workers) -> dict:
         prompts += load_prompts(spec)[: cfg.max_prompts]
     engine_cfg = EngineConfig(mode="dflash", max_running_requests=max(cfg.concurrency),
                               device=workers.device(cfg.device), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                              seed=cfg.seed)
+                              seed=cfg.seed, sampling_rule=cfg.sampling_rule)
     engine = Engine.from_pretrained(cfg.target, cfg.drafter, config=engine_cfg)
     spec = drafter_feature_spec(engine.drafter.config)  # NOTE: DFlash 1 or DFlash 2 features, W - 1 positions
     store = TraceStore(cfg.output)
@@ -121,7 +135,8 @@ def _collect(cfg: CollectConfig, workers: Workers) -> dict:
         print(f"dscale-collect: skipping {len(prompts) - len(keep)} prompts longer than max_model_len "
               f"{cfg.max_model_len}", file=sys.stderr)
     chunks = [keep[i : i + cfg.chunk_prompts] for i in range(0, len(keep), cfg.chunk_prompts)]
-    work = [(c, k) for c in cfg.concurrency for k in range(len(chunks))]
+    # NOTE: chunk-major, so an interrupted collection holds every temperature and concurrency of its first chunks.
+    work = [(t, c, k) for k in range(len(chunks)) for c in cfg.concurrency for t in cfg.temperature_list]
     # NOTE: rank 0 alone opens the folder and lists what is left, before any worker writes: a list made by each
     # worker could see shards another had already written and so share the plan differently.
     manifest = plan = None
@@ -129,7 +144,7 @@ def _collect(cfg: CollectConfig, workers: Workers) -> dict:
         try:
             identity = _identity(cfg, spec, hidden_projection(spec, engine.drafter.config.layers.hidden_size), prompts)
             manifest = store.open(identity) if cfg.log_records else identity
-            plan = ("ok", [(c, k) for c, k in work if not (cfg.log_records and store.has_shard(c, k))])
+            plan = ("ok", [(t, c, k) for t, c, k in work if not (cfg.log_records and store.has_shard(c, k, t))])
         except TraceFolderError as exc:
             plan = ("error", str(exc))
     status, todo = workers.broadcast(plan)
@@ -140,12 +155,12 @@ def _collect(cfg: CollectConfig, workers: Workers) -> dict:
         raise TraceFolderError(f"{store.manifest_path}: worker {workers.rank} does not see the manifest rank 0 wrote; "
                                "--output must be one folder that every node of the launch sees (a shared filesystem)")
     mine = workers.share(todo)
-    bar = _progress(cfg, sum(len(chunks[k]) for _, k in mine), len(work) - len(todo), workers)
+    bar = _progress(cfg, sum(len(chunks[k]) for _, _, k in mine), len(work) - len(todo), workers)
     stats = {"steps": 0, "tokens": 0, "accepted": 0, "request_steps": 0, "start": time.time()}
-    for c, k in mine:
-        rows = _run_chunk(engine, cfg, c, k, chunks[k], prompts, token_ids, stats, bar, SamplingParams)
+    for t, c, k in mine:
+        rows = _run_chunk(engine, cfg, t, c, k, chunks[k], prompts, token_ids, stats, bar, SamplingParams)
         if cfg.log_records:
-            store.write_shard(c, k, rows, spec.width)
+            store.write_shard(c, k, rows, spec.width, t)
             if workers.rank == 0:  # NOTE: only rank 0 writes manifest.json; it counts every worker's shards so far
                 manifest = store.update_counts(manifest)
     if bar is not None:
@@ -188,18 +203,24 @@ def _identity(cfg: CollectConfig, spec, projection, prompts: list[dict]) -> dict
     }
 
 
-def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk_index: int, chunk: list[int], prompts: list[dict],
-               token_ids: list[list[int]], stats: dict, bar, SamplingParams) -> dict:
-    """Decode one chunk at one concurrency; returns its records as Parquet columns."""
+def _run_chunk(engine, cfg: CollectConfig, temperature: float, concurrency: int, chunk_index: int, chunk: list[int],
+               prompts: list[dict], token_ids: list[list[int]], stats: dict, bar, SamplingParams) -> dict:
+    """Decode one chunk at one temperature and concurrency; returns its records as Parquet columns."""
+    from trace_collection.store import SAMPLING_RULE_NAMES
+
     engine.scheduler.max_running = concurrency
     engine._generator.manual_seed(cfg.seed * 1_000_003 + concurrency * 10_007 + chunk[0])
     columns: dict[str, list] = {k: [] for k in ("prompt_id", "dataset", "concurrency", "request_id", "step",
-                                                "batch_id", "num_live", "context_len", "accepted", "features")}
+                                                "batch_id", "num_live", "context_len", "accepted", "features",
+                                                "temperature", "sampling_rule")}
+    # NOTE: ids name the temperature only in a set of several, so one-temperature ids stay those of format 1.
+    tag = f"-t{round(temperature * 1000)}" if len(cfg.temperature_list) > 1 else ""
+    rule_of: dict[str, str] = {}
     owner: dict[str, int] = {}
     chunk_steps = [0]
 
     def observe(trace) -> None:
-        batch_id = f"c{concurrency}-k{chunk_index}-s{chunk_steps[0]}"
+        batch_id = f"c{concurrency}{tag}-k{chunk_index}-s{chunk_steps[0]}"
         chunk_steps[0] += 1
         feats = trace.features.tolist()
         for j, rid in enumerate(trace.request_ids):
@@ -214,16 +235,19 @@ def _run_chunk(engine, cfg: CollectConfig, concurrency: int, chunk_index: int, c
             columns["context_len"].append(trace.context_lens[j])
             columns["accepted"].append(trace.accepted_lens[j])
             columns["features"].append(feats[j])
+            columns["temperature"].append(temperature)
+            columns["sampling_rule"].append(rule_of[rid])
 
     # NOTE: without an observer the engine computes no features: log_records=False measures bare decoding.
     if cfg.log_records:
         engine.step_observers.append(observe)
     try:
         for i in chunk:
-            rid = f"c{concurrency}-p{i}"
+            rid = f"c{concurrency}{tag}-p{i}"
             owner[rid] = i
-            params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens,
-                                    seed=cfg.seed * 1_000_003 + i if cfg.temperature > 0 else None)
+            params = SamplingParams(temperature=temperature, max_tokens=cfg.max_new_tokens,
+                                    seed=cfg.seed * 1_000_003 + i if temperature > 0 else None)
+            rule_of[rid] = SAMPLING_RULE_NAMES[engine._rule(params)]
             engine.add_request(token_ids[i], params, request_id=rid)
         while engine.has_unfinished():
             before = (engine.counters.steps, engine.counters.request_steps, engine.counters.accepted_drafts)

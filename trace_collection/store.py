@@ -1,6 +1,8 @@
 """The trace folder: Parquet shards written atomically, and `manifest.json` describing what made them.
 
-Layout: `<output>/manifest.json`, `<output>/shards/c<concurrency>-chunk<k>.parquet`. A shard is written
+Layout: `<output>/manifest.json`, `<output>/shards/c<concurrency>-t<temperature x 1000>-chunk<k>.parquet` (format
+version 2; version 1 folders name shards `c<concurrency>-chunk<k>.parquet` and hold no sampling columns: readers
+take their one temperature from the manifest's config). A shard is written
 to a temporary name and renamed into place, so after a crash a shard either exists whole or not at all;
 resuming skips the chunks whose shard exists. A folder whose manifest names another feature spec, other
 model files or another collection setup is refused. Workers of one launch write their own shards into the
@@ -21,7 +23,9 @@ import pyarrow.parquet as pq
 from dscale_runtime.models.loader import file_sha256
 
 TRACE_FORMAT = "dscale-traces"
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+"""2: per-record `temperature` and `sampling_rule` columns, the temperature in shard names (1: neither)."""
+SAMPLING_RULE_NAMES = ("greedy", "top1", "sampled")  # the runner's rule codes 0, 1, 2
 
 
 class TraceFolderError(ValueError):
@@ -40,6 +44,8 @@ def schema(width: int) -> pa.Schema:
         ("context_len", pa.int32()),
         ("accepted", pa.int32()),
         ("features", pa.list_(pa.float32(), width)),
+        ("temperature", pa.float32()),
+        ("sampling_rule", pa.string()),
     ])
 
 
@@ -84,6 +90,10 @@ class TraceStore:
             stray.unlink()  # a shard that was being written when the last run died
         if self.manifest_path.is_file():
             manifest = json.loads(self.manifest_path.read_text())
+            if manifest.get("format_version") != TRACE_VERSION:
+                raise TraceFolderError(f"{self.manifest_path}: trace format version {manifest.get('format_version')}, "
+                                       f"this collector writes {TRACE_VERSION}; use another --output folder (the "
+                                       "trainer still reads the old one)")
             for key, value in identity.items():
                 if manifest.get(key) != value:
                     raise TraceFolderError(
@@ -99,14 +109,14 @@ class TraceStore:
         write_json_atomic(self.manifest_path, manifest)
         return manifest
 
-    def shard_path(self, concurrency: int, chunk: int) -> Path:
-        return self.shards / f"c{concurrency:03d}-chunk{chunk:05d}.parquet"
+    def shard_path(self, concurrency: int, chunk: int, temperature: float = 0.0) -> Path:
+        return self.shards / f"c{concurrency:03d}-t{round(temperature * 1000):04d}-chunk{chunk:05d}.parquet"
 
-    def has_shard(self, concurrency: int, chunk: int) -> bool:
-        return self.shard_path(concurrency, chunk).is_file()
+    def has_shard(self, concurrency: int, chunk: int, temperature: float = 0.0) -> bool:
+        return self.shard_path(concurrency, chunk, temperature).is_file()
 
-    def write_shard(self, concurrency: int, chunk: int, rows: dict, width: int) -> None:
-        path = self.shard_path(concurrency, chunk)
+    def write_shard(self, concurrency: int, chunk: int, rows: dict, width: int, temperature: float = 0.0) -> None:
+        path = self.shard_path(concurrency, chunk, temperature)
         tmp = path.with_name(f".{path.name}.tmp")
         table = pa.table(rows, schema=schema(width))
         pq.write_table(table, tmp)
@@ -115,13 +125,15 @@ class TraceStore:
         os.replace(tmp, path)
 
     def update_counts(self, manifest: dict) -> dict:
-        counts: dict = {"shards": 0, "records": 0, "by_concurrency": {}}
+        counts: dict = {"shards": 0, "records": 0, "by_concurrency": {}, "by_temperature": {}}
         for path in sorted(self.shards.glob("*.parquet")):
             n = pq.ParquetFile(path).metadata.num_rows
             c = str(int(path.name[1:4]))
+            t = str(int(path.name.split("-")[1][1:]) / 1000)
             counts["shards"] += 1
             counts["records"] += n
             counts["by_concurrency"][c] = counts["by_concurrency"].get(c, 0) + n
+            counts["by_temperature"][t] = counts["by_temperature"].get(t, 0) + n
         manifest["counts"] = counts
         manifest["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         write_json_atomic(self.manifest_path, manifest)

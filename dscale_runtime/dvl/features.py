@@ -6,9 +6,11 @@ the highest logit, its gaps to ranks 2..16, the top token's log-probability and 
 state at each position through a fixed, seeded projection to `hidden_proj_dim` values (the matrix is a
 function of the spec and the drafter width, and is stored in traces and artifacts), then the batch
 context: live batch size, the request's context length and decode step, how many earlier steps it has,
-and its last `history` accepted counts (most recent first, 0 where missing). The confidence columns are
-computed in `dscale_runtime.kernels.features` (the reference beside its Triton kernel); this module lays out
-the whole row.
+and its last `history` accepted counts (most recent first, 0 where missing). From `dscale-features-v2` on, the
+row ends with the request's sampling setup: its temperature (0 when greedy) and whether its drafts are sampled
+(1 for the `sampled` rule, 0 for greedy and the `top1` rule), so one predictor serves greedy and sampled traffic.
+The confidence columns are computed in `dscale_runtime.kernels.features` (the reference beside its Triton
+kernel); this module lays out the whole row. The runtime computes whichever version an artifact was trained on.
 """
 
 from __future__ import annotations
@@ -22,14 +24,24 @@ from dscale_runtime.kernels.features import confidence_features, confidence_feat
 
 __all__ = ["FEATURE_VERSION", "FEATURE_VERSION_DFLASH2", "FEATURE_VERSIONS", "FeatureSpec", "acceptance_features",
            "confidence_features", "confidence_features_ref", "context_features", "drafter_feature_spec",
-           "hidden_projection"]
+           "hidden_projection", "same_drafter_family", "sampling_features"]
 
-FEATURE_VERSION = "dscale-features-v1"
+FEATURE_VERSION = "dscale-features-v2"
+"""The version the collector writes by default over a DFlash 1 drafter."""
 # NOTE: DFlash 2 drafters: the same layout, but the confidence columns read the candidate selector's scores along
 # the walked path ([N, W-1, K]: top score, its gaps, log q(best) at T = 1, the entropy over the candidates), not
-# the drafter's logits over the vocabulary. Another meaning, so another version: a predictor reads one of them.
-FEATURE_VERSION_DFLASH2 = "dscale-features-dflash2-v1"
-FEATURE_VERSIONS = (FEATURE_VERSION, FEATURE_VERSION_DFLASH2)
+# the drafter's logits over the vocabulary. Another meaning, so another family of versions: a predictor reads one.
+FEATURE_VERSION_DFLASH2 = "dscale-features-dflash2-v2"
+"""The version the collector writes by default over a DFlash 2 drafter."""
+# NOTE: version -> sampling columns; v1 rows end with the batch context (artifacts trained on them still load).
+FEATURE_VERSIONS = {"dscale-features-v1": 0, "dscale-features-v2": 2,
+                    "dscale-features-dflash2-v1": 0, "dscale-features-dflash2-v2": 2}
+SAMPLING_NAMES = ("temperature", "sampled_drafts")
+
+
+def same_drafter_family(a: str, b: str) -> bool:
+    """Whether two feature versions read the same drafter signals (DFlash 1 logits, or DFlash 2 selector scores)."""
+    return ("dflash2" in a) == ("dflash2" in b)
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,11 @@ class FeatureSpec:
     proj_seed: int = 20260523
     """Seed of the hidden-state projection matrix."""
 
+    def __post_init__(self) -> None:
+        if self.version not in FEATURE_VERSIONS:
+            raise ValueError(f"feature spec version '{self.version}' is not one this runtime computes "
+                             f"({', '.join(FEATURE_VERSIONS)}); retrain the predictor on traces of a known version")
+
     @property
     def per_position(self) -> int:
         return 1 + (self.num_ranks - 1) + 1 + 1
@@ -65,8 +82,17 @@ class FeatureSpec:
         return 4 + self.history
 
     @property
+    def num_sampling(self) -> int:
+        return FEATURE_VERSIONS[self.version]
+
+    @property
     def width(self) -> int:
-        return self.num_confidence + self.num_hidden + self.num_context
+        return self.num_confidence + self.num_hidden + self.num_context + self.num_sampling
+
+    @property
+    def temperature_column(self) -> int | None:
+        """Index of the temperature column (None before v2)."""
+        return self.num_confidence + self.num_hidden + self.num_context if self.num_sampling else None
 
     def names(self) -> list[str]:
         per = ["top1_logit"] + [f"gap_{r}" for r in range(2, self.num_ranks + 1)] + ["top1_logprob", "entropy"]
@@ -74,7 +100,7 @@ class FeatureSpec:
         names += [f"pos{j}_hidden{h}" for j in range(1, self.num_positions + 1) for h in range(self.hidden_proj_dim)]
         names += ["num_live", "context_len", "decode_step", "history_len"]
         names += [f"prev_accepted_{i}" for i in range(1, self.history + 1)]
-        return names
+        return names + list(SAMPLING_NAMES[: self.num_sampling])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,6 +108,11 @@ class FeatureSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "FeatureSpec":
         return cls(**d)
+
+    @classmethod
+    def legacy(cls, **kwargs) -> "FeatureSpec":
+        """The v1 layout (no sampling columns), e.g. for a predictor of one temperature band."""
+        return cls(version="dscale-features-v1", **kwargs)
 
 
 def drafter_feature_spec(drafter_config) -> FeatureSpec:
@@ -108,6 +139,12 @@ def context_features(spec: FeatureSpec, num_live: int, context_lens: list[int], 
     return torch.tensor(rows, dtype=torch.float32, device=device).view(len(rows), spec.num_context)
 
 
+def sampling_features(spec: FeatureSpec, temperature: torch.Tensor, sampled_drafts: torch.Tensor) -> torch.Tensor:
+    """The sampling columns [N, num_sampling]: temperature [N] (0 for greedy rows) and sampled_drafts [N] (bool)."""
+    cols = torch.stack([temperature.float(), sampled_drafts.float()], dim=-1)  # [N, 2]
+    return cols[:, : spec.num_sampling]
+
+
 def acceptance_features(
     spec: FeatureSpec,
     draft_logits: torch.Tensor,  # [N, P, V] drafter logits at draft positions 1..P
@@ -115,10 +152,15 @@ def acceptance_features(
     projection: torch.Tensor,  # [d, hidden_proj_dim]
     context: torch.Tensor,  # [N, num_context] from context_features
     backend: str = "auto",
+    sampling: torch.Tensor | None = None,  # [N, num_sampling] from sampling_features (v2 and later)
 ) -> torch.Tensor:  # [N, spec.width] float32
     """One feature row per request in `spec`'s layout. `backend` is the confidence features' path: the runner
     passes its KernelChoice's `features` (chosen once); 'auto' applies the auto rule to the logits (the
     portable reference on CPU, the Triton kernel on CUDA when triton is importable)."""
     assert draft_logits.shape[1] == spec.num_positions, "feature spec and block size disagree"
     hidden = (draft_hidden.float() @ projection.to(draft_hidden.device, torch.float32)).flatten(1)
-    return torch.cat([confidence_features(draft_logits, spec.num_ranks, backend), hidden, context], dim=-1)
+    parts = [confidence_features(draft_logits, spec.num_ranks, backend), hidden, context]
+    if spec.num_sampling:
+        assert sampling is not None and sampling.shape[-1] == spec.num_sampling, "the spec wants sampling columns"
+        parts.append(sampling.to(context.device, torch.float32))
+    return torch.cat(parts, dim=-1)

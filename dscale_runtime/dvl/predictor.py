@@ -8,12 +8,13 @@ draft positions by a cumulative minimum; seeds are k0 = 1 + round(sum_j s_j), cl
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dscale_runtime.dvl.features import FEATURE_VERSIONS, FeatureSpec, hidden_projection
+from dscale_runtime.dvl.features import FEATURE_VERSIONS, FeatureSpec, hidden_projection, same_drafter_family
 from dscale_runtime.models.config import DFlashConfig, Qwen3Config
 from dscale_runtime.models.loader import file_sha256
 
@@ -109,20 +110,22 @@ def load_predictor(path: str | Path, identity: dict | None = None, spec: Feature
     if art.get("format_version") != ARTIFACT_VERSION:
         raise PredictorError(f"{path}: artifact format_version {art.get('format_version')}, this runtime reads "
                              f"{ARTIFACT_VERSION}")
-    want = spec or FeatureSpec()
+    version = (art.get("feature_spec") or {}).get("version") if isinstance(art.get("feature_spec"), dict) else None
+    if version not in FEATURE_VERSIONS:
+        raise PredictorError(f"{path}: feature spec version '{version}', this runtime computes "
+                             f"{', '.join(FEATURE_VERSIONS)}; retrain the predictor on traces collected with one of them")
     try:
         got = FeatureSpec.from_dict(art["feature_spec"])
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise PredictorError(f"{path}: unreadable 'feature_spec' ({exc})") from exc
-    if got.version not in FEATURE_VERSIONS:
-        raise PredictorError(f"{path}: feature spec version '{got.version}', this runtime computes {FEATURE_VERSIONS};"
-                             " retrain the predictor on traces collected with this version")
-    if got.version != want.version:
+    # NOTE: the runtime computes any known version of the drafter's family (the engine takes the layout from the
+    # artifact: v1 or v2); `spec` (the drafter's own, `drafter_feature_spec`) pins the family and the layout.
+    if spec is not None and not same_drafter_family(got.version, spec.version):
         raise PredictorError(f"{path}: trained on features '{got.version}', but this drafter's steps compute "
-                             f"'{want.version}' (DFlash 1 and DFlash 2 drafters differ); retrain the predictor on "
+                             f"'{spec.version}' (DFlash 1 and DFlash 2 drafters differ); retrain the predictor on "
                              "traces collected with this drafter")
-    if got != want:
-        raise PredictorError(f"{path}: feature spec {got.to_dict()} differs from the runtime's {want.to_dict()}")
+    if spec is not None and got != dataclasses.replace(spec, version=got.version):
+        raise PredictorError(f"{path}: feature spec {got.to_dict()} differs from the runtime's {spec.to_dict()}")
     if identity is not None:
         for part in ("target", "drafter"):
             stored = art.get("identity", {}).get(part, {})
