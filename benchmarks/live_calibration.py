@@ -130,7 +130,7 @@ def replay(path: str, args) -> dict:
     truth = LiveCalibration(width - 1, apply=False)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     switch = args.greedy_steps
-    trail, kept, full = [], 0, 0
+    trail, kept, full = [], np.zeros(2), np.zeros(2)  # [greedy, sampled] phases
     for start, a, b in zip(starts, offsets[:-1], offsets[1:]):
         cond, y = cond_all[a:b], y_all[a:b]
         knots = cal.knots if cal.apply else None
@@ -140,20 +140,26 @@ def replay(path: str, args) -> dict:
         k = allocate(scores, seed_lengths(scores, width), torch.ones(n, dtype=torch.bool),
                      budget_rows(n, width, args.budget_ratio)).numpy()
         accepted = np.minimum(y, k - 1)
-        kept, full = kept + accepted.sum(), full + y.sum()
+        phase = int(start >= switch)
+        kept[phase] += accepted.sum()
+        full[phase] += y.sum()
         cal.observe(cond, accepted.tolist(), k.tolist(), knots)
         truth.observe(cond, y.tolist(), [width] * n, knots)
         trail.append((start + n - switch, cal.report()["error"], truth.report()["error"]))
     after = [t for t in trail if t[0] > 0]
     above = [s for s, live, _ in after if max(live) >= args.threshold]
     above_true = [s for s, _, true in after if max(true) >= args.threshold]
-    return {"replay": path, "calibration": args.calibration, "window": args.window,
+    return {"replay": path, "calibration": args.calibration, "window": args.window, "budget_ratio": args.budget_ratio,
             "live_error_back_under_after": above[-1] if above else 0,
             "true_error_back_under_after": above_true[-1] if above_true else 0,
             "live_error_end": [round(e, 4) for e in after[-1][1]], "true_error_end": [round(e, 4) for e in after[-1][2]],
             "live_error_raw_end": [round(e, 4) for e in cal.report()["error_raw"]],
             "true_error_before_switch": [round(e, 4) for e in [t for t in trail if t[0] <= 0][-1][2]],
-            "retention": round(kept / full, 4), "request_steps_after_switch": after[-1][0]}
+            "live_error_first_under_after": next((s for s, live, _ in after if max(live) < args.threshold), None),
+            "live_error_at_2000": [round(e, 4) for e in next(t[1] for t in after if t[0] >= 2000)],
+            "share_above_after_2000": round(np.mean([max(t[1]) >= args.threshold for t in after if t[0] >= 2000]), 3),
+            "retention_greedy": round(kept[0] / full[0], 4), "retention_sampled": round(kept[1] / full[1], 4),
+            "request_steps_after_switch": after[-1][0]}
 
 
 def main() -> None:
@@ -176,7 +182,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.replay:
         for name in args.calibration.split(","):
-            print(json.dumps(replay(args.replay, argparse.Namespace(**{**vars(args), "calibration": name}))))
+            print(json.dumps(replay(args.replay, argparse.Namespace(**{**vars(args), "calibration": name})), default=float))
         return
     prompts = [p["prompt"] for p in stdlib_prompts()]
     for name in args.calibration.split(","):

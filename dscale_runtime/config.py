@@ -74,7 +74,7 @@ class EngineConfig:
     live_calibration: bool = True
     """DScale only: refresh a calibration of the acceptance predictor's scores from the served steps and apply
     it inside the step (`dscale_runtime/dvl/calibration.py`: a per-position monotone piecewise-linear map of
-    the conditional acceptance P(accepted >= j | accepted >= j-1), fitted on the host every 128 request-steps
+    the conditional acceptance P(accepted >= j | accepted >= j-1), fitted on the host every 32 request-steps
     from the positions each step verified, which keeps the fit unbiased although DScale sees only k - 1 drafts;
     identity at start). It changes verify lengths only, never the output. Off: the raw scores decide; /metrics
     still reports predicted vs realised acceptance either way."""

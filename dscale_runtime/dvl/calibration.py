@@ -23,10 +23,23 @@ marginal on every seen label, would bias P(y >= j) low: it keeps a position's fa
 censored successes.)
 
 The fit: per position, least squares of the label on the piecewise-linear basis of x (hat functions of the
-knots), ridge `prior` toward the identity, over exponentially decayed sufficient statistics (a window of
-`window` request-steps), then a weighted isotonic projection (pool adjacent violators) and a clip to [0, 1].
-Memory is fixed: O(P x K) numbers for the fit, O(P x bins) for the watch. The refresh runs on the host every
-`refresh` request-steps; the map changes verification lengths only, never which tokens are emitted.
+knots) over exponentially decayed sufficient statistics (a window of `window` request-steps), penalised
+toward straight lines (`smooth` x squared second differences of the knot values) and, weakly, toward the
+identity (`prior`, which holds knots without data), then a weighted isotonic projection (pool adjacent
+violators) and a clip to [0, 1]. Memory is fixed: O(P x K) numbers for the fit, O(P x bins) for the watch.
+The refresh runs on the host every `refresh` request-steps (0.16 ms); the map changes verification lengths
+only, never which tokens are emitted.
+
+The watched error is a debiased ECE: per bin of the predicted score, |sum(predicted - realised)| less the
+chance part a calibrated bin would show (sqrt(max(0, gap^2 - sum w^2 p (1 - p)))), summed over bins and
+divided by the weight. Over a window of ~1,400 effective request-steps the plain ECE of a calibrated predictor
+reads ~0.02-0.03 from sampling noise alone; the debiased one reads its miscalibration (both are reported).
+
+Defaults, measured on the demo pair (benchmarks/live_calibration.py, replaying a served trace: 1,500 greedy
+then 3,841 T = 1 request-steps, 16 running): window 128, refresh 32, 8 knot intervals and a watch of 700
+request-steps bring the error at j = 1..3 from 0.234 / 0.150 / 0.078 (raw) to 0.023 / 0.019 / 0.011 at 2,000
+request-steps after the move and keep it under 0.03 from 943 on; windows of 64 or 256 let j = 1 stray above 0.03
+late in the run, 512 and above recover more slowly (0.026 / 0.033 / 0.028 at 2,000 with 512).
 """
 
 from __future__ import annotations
@@ -183,12 +196,15 @@ class LiveCalibration:
     def fit(self) -> np.ndarray:
         """The map from the current statistics: [P, K + 1] float32 knot values."""
         p, m = self.diag.shape
-        knots = np.empty((p, m), dtype=np.float32)
-        for j in range(p):
-            a = np.diag(self.diag[j]) + np.diag(self.off[j], 1) + np.diag(self.off[j], -1) + self.penalty
-            values = np.linalg.solve(a, self.rhs[j] + self.penalty @ self.grid)
-            knots[j] = np.clip(isotonic(values, self.diag[j] + self.prior), 0.0, 1.0)
-        return knots
+        a = np.zeros((p, m, m)) + self.penalty  # [P, K + 1, K + 1] the tridiagonal normal equations + penalty
+        index = np.arange(m)
+        a[:, index, index] += self.diag
+        a[:, index[:-1], index[1:]] += self.off
+        a[:, index[1:], index[:-1]] += self.off
+        values = np.linalg.solve(a, (self.rhs + self.penalty @ self.grid)[..., None])[..., 0]  # [P, K + 1]
+        for j in np.flatnonzero((np.diff(values, axis=1) < 0).any(axis=1)):
+            values[j] = isotonic(values[j], self.diag[j] + self.prior)
+        return np.clip(values, 0.0, 1.0).astype(np.float32)
 
     def report(self) -> dict:
         """Watched figures over the recent request-steps that verified each position (decayed window): per
