@@ -8,7 +8,8 @@ the request-steps that verified j) and, with `--retention` (full-width verificat
 for analysis only), the uncensored error over every request-step against the full-width accepted count,
 same window. Prints, per run (`--calibration on,off`), when after the move to T = 1 the live error came back
 under `--threshold` and stayed there, the errors at the end, retention, accepted drafts per request-step; and
-checks every request's output against target-only decoding of the same requests (`--check-output`).
+checks every request's output against target-only decoding of the same requests (`--check-output`), with, for
+a differing one, how close the target's choice was there (`closeness`).
 
     python benchmarks/live_calibration.py --calibration on,off --retention --check-output
 """
@@ -45,6 +46,30 @@ def traffic(engine: Engine, prompts: list[str], args) -> tuple[list, dict]:
         for out in engine.step():
             outputs[int(out.request_id)] = out.token_ids
     return sent, outputs
+
+
+@torch.no_grad()
+def closeness(prompt: str, params: SamplingParams, ours: list[int], theirs: list[int]) -> dict:
+    """At the first differing token, recomputed in float64 from transformers' float32 logits over the shared
+    prefix: greedy, the top-1 minus top-2 logit; sampled, the distance of the request's keyed uniform to the
+    CDF boundary between the two tokens (a draw within rounding of a boundary picks either: not a bug)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dscale_runtime.sampling import TARGET, keyed_uniforms, split_seed
+
+    tok = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
+    model = AutoModelForCausalLM.from_pretrained(DEMO_DIR / "target", dtype=torch.float32).eval()
+    j = next(k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    logits = model(torch.tensor([ids + ours[:j]])).logits[0, -1].double()
+    if params.temperature == 0:
+        top = logits.topk(2).values
+        return {"first_difference": j, "top2_margin": float(top[0] - top[1])}
+    cdf = torch.softmax(logits / params.temperature, -1).cumsum(0)
+    lo, hi = split_seed(params.seed)
+    u = keyed_uniforms(torch.tensor([lo]), torch.tensor([hi]), torch.tensor([len(ids) + j]), TARGET, "ref").item()
+    edge = cdf[min(ours[j], theirs[j])].item()
+    return {"first_difference": j, "uniform_to_cdf_boundary": abs(u - edge)}
 
 
 def run(args, calibration: bool, prompts: list[str]) -> dict:
@@ -109,6 +134,9 @@ def run(args, calibration: bool, prompts: list[str]) -> dict:
             mode="target", max_running_requests=args.concurrency, max_model_len=1024))
         want = target.generate([p for p, _ in sent], [q for _, q in sent])
         result["outputs_equal_to_target_only"] = sum(outputs[i] == o.token_ids for i, o in enumerate(want))
+        result["differences"] = [{"request": i, "temperature": sent[i][1].temperature,
+                                  **closeness(*sent[i], outputs[i], o.token_ids)}
+                                 for i, o in enumerate(want) if outputs[i] != o.token_ids]
         result["outputs"] = len(sent)
     return result
 
@@ -169,7 +197,8 @@ def main() -> None:
     parser.add_argument("--greedy-steps", type=int, default=1000)
     parser.add_argument("--sampled-steps", type=int, default=3000)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--window", type=int, default=512, help="EngineConfig.calibration_window")
+    parser.add_argument("--window", type=int, default=EngineConfig.calibration_window,
+                        help="EngineConfig.calibration_window")
     parser.add_argument("--budget-ratio", type=float, default=0.5)
     parser.add_argument("--threshold", type=float, default=0.03)
     parser.add_argument("--retention", action="store_true", help="measure the uncensored error and retention")

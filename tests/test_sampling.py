@@ -265,6 +265,7 @@ def test_sampled_output_has_the_target_distribution(small_vocab_pair, tmp_path, 
         assert engine.counters.accepted_drafts > 300, "drafts must be accepted for the test to mean anything"
     if mode == "dscale":
         assert engine.counters.verify_rows <= ratio * 16 * engine.counters.request_steps + engine.counters.steps
+        assert engine.calibration.report()["refreshes"] > 0, "the live calibration refreshed while sampling"
     p_value = goodness_of_fit(counts, exact)
     assert p_value > 1e-3, f"{mode}/{rule} sampling differs from the target's distribution (p={p_value:.3g})"
 
