@@ -71,6 +71,19 @@ class EngineConfig:
     (start-up step times x (1 + accepted drafts per request-step, a running mean over recent steps)); every
     16th such step still speculates, keeping the estimate current. Off (for now: its captured steps have not
     run on a GPU yet): always speculate."""
+    live_calibration: bool = False
+    """DScale only: refresh a calibration of the acceptance predictor's scores from the served steps and apply
+    it inside the step (`dscale_runtime/dvl/calibration.py`: a per-position monotone piecewise-linear map of
+    the conditional acceptance P(accepted >= j | accepted >= j-1), fitted on the host every 32 request-steps
+    from the positions each step verified, which keeps the fit unbiased although DScale sees only k - 1 drafts;
+    identity at start). It changes verify lengths only, never the output. Off (the default, for now: its
+    captured step has not run on a GPU yet, and on the demo pair it changed retention by < 0.005 at budgets 0.5 and
+    0.25 for 0.2-0.35 ms of host time per DScale step): the raw scores decide; /metrics still reports predicted vs
+    realised acceptance either way."""
+    calibration_window: int = 128
+    """DScale with `live_calibration`: request-steps the calibration's statistics decay over (exponential
+    window): shorter follows drifting traffic (other prompts, other temperatures) sooner, longer fits less
+    noise."""
     measure_retention: bool = False
     """DScale only: also run full-width verification each step to measure retention (costs a second
     target forward; for analysis, not serving)."""
@@ -178,6 +191,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.admission_group must be >= 1, got {self.admission_group}")
         if not self.prefill_stall_ratio >= 0:
             raise ValueError(f"EngineConfig.prefill_stall_ratio must be >= 0 (0 = off), got {self.prefill_stall_ratio}")
+        if self.calibration_window < 16:
+            raise ValueError(f"EngineConfig.calibration_window must be >= 16 request-steps, got {self.calibration_window}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"EngineConfig.kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
 

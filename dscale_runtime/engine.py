@@ -25,6 +25,7 @@ import torch
 from dscale_runtime.attention import build_metadata, host_to_device
 from dscale_runtime.graphs import cuda_times
 from dscale_runtime.config import EngineConfig, RequestOutput, SamplingParams
+from dscale_runtime.dvl.calibration import LiveCalibration
 from dscale_runtime.dvl.features import FeatureSpec, context_features, drafter_feature_spec
 from dscale_runtime.dvl.features import hidden_projection as seeded_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, load_predictor, pair_identity
@@ -152,7 +153,11 @@ class Engine:
             measured_policy=config.dscale_policy in ("measured", "live"),
             policy_context=min(1024, config.max_model_len // 2),
             target_fallback=config.target_fallback and not config.measure_retention,
-            live_policy=config.dscale_policy == "live" and not config.measure_retention)
+            live_policy=config.dscale_policy == "live" and not config.measure_retention,
+            calibration=config.mode == "dscale" and config.live_calibration)
+        self.calibration = LiveCalibration(self.block_size - 1, self.runner.calibration_knots is not None,
+                                           config.calibration_window) if config.mode == "dscale" else None
+        """DScale: the watch of the predictor's calibration over committed DScale steps, and its live map."""
         self.live_acceptance: dict[str, float] = {}
         """Running mean of accepted drafts per request-step, per speculative step ('dflash', 'dscale')."""
         self.live_step_ms: dict[tuple[int, str], float] = {}
@@ -611,22 +616,27 @@ class Engine:
                                        [r.stats.accepted_lens for r in requests], "cpu").numpy()
         pending = self.runner.launch([r.last_token_id for r in requests], ctx, [r.pages for r in requests],
                                      [r.sampling for r in requests], kind, context, [r.slot for r in requests], host)
+        # NOTE: the map this step read (the host replaces it, never changes it in place, on each refresh)
+        knots = self.calibration.knots if self.calibration is not None and self.calibration.apply else None
         for request in requests:
             request.ahead += 1
 
         def commit() -> list[Request]:
             for request in requests:
                 request.ahead -= 1
-            return self._commit_step(requests, pending.result(), mode, kind, ctx, decode_steps)
+            return self._commit_step(requests, pending.result(), mode, kind, ctx, decode_steps, knots)
 
         self._pending.append(commit)
         return []
 
     def _commit_step(self, requests: list[Request], result: StepResult, mode: str, kind: StepKind,
-                     ctx: list[int], decode_steps: list[int]) -> list[Request]:
+                     ctx: list[int], decode_steps: list[int], knots: np.ndarray | None = None) -> list[Request]:
         """Commit one decode step's results. Rows of requests that finished after it was launched (their
         output ended in the step before, or an abort) commit nothing; the step's statistics count every row
-        the device verified."""
+        the device verified (the calibration's too: `knots` is the map the step ran with)."""
+        if self.calibration is not None and result.conditionals is not None:
+            if self.calibration.observe(result.conditionals, result.accepted, result.verify_lens, knots):
+                self.runner.write_calibration(self.calibration.knots)
         full = result.full_accepted
         if self.config.measure_retention and self.config.mode == "dscale" and mode != "dscale":
             full = result.accepted  # a full-width step retains everything

@@ -34,6 +34,7 @@ import torch
 
 from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.dvl.allocate import allocate, budget_rows
+from dscale_runtime.dvl.calibration import calibrated_scores, conditional_scores, identity_knots, pack_unit, unpack_unit
 from dscale_runtime.dvl.features import acceptance_features, sampling_features
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import seed_lengths
@@ -255,13 +256,15 @@ class Decision:
     token_ids: torch.Tensor  # [M] anchor or draft of every verification row
     meta: AttentionMetadata  # causal metadata over the M rows
     features: torch.Tensor | None  # [B, spec.width] float32, when computed
+    conditionals: torch.Tensor | None = None  # [B, ceil((W-1) / 4)] int64: DScale's raw conditionals (`pack_unit`)
 
 
 class BucketStep:
     """One decode step of a bucket for one `StepKind`: `draft` -> `decide` -> `verify`, a pure function of
     the bucket's buffers (see the module docstring); `__call__` runs it (a graph replay once `build` captured
     it) and returns the result [B, 4 + W] int64: accepted, successor, k, full-width accepted (-1 when not
-    measured), then the W block tokens (anchor and drafts)."""
+    measured), then the W block tokens (anchor and drafts); DScale steps append the predictor's raw
+    conditionals, packed (`dvl/calibration.py`: ceil((W-1) / 4) words)."""
 
     def __init__(self, runner: "StepRunner", buffers: StepBuffers, kind: StepKind) -> None:
         self.runner, self.buf, self.kind = runner, buffers, kind
@@ -319,6 +322,9 @@ class BucketStep:
             return Decision(torch.full_like(buf.ctx, w), torch.arange(b, device=block.device) * w, block.reshape(-1),
                             block_metadata(buf, w, causal=True, max_kv=self.max_kv), features)
         scores = r.predictor.scores(features)  # [B, W-1]
+        conditionals = conditional_scores(scores)  # [B, W-1] the raw map inputs, returned to the host's watch
+        if r.calibration_knots is not None:  # NOTE: the live map, a fixed-address tensor the host rewrites
+            scores = calibrated_scores(conditionals, r.calibration_knots)
         lens = allocate(scores, seed_lengths(scores, w), buf.live > 0, buf.budget)
         packed = flat_pack(lens, block, buf.ctx, buf.block_tables, self.num_rows, buf.page_size)
         # NOTE: max_q = W bounds the live requests; placeholders (num_rows > M_live) share local slots up to W - 1
@@ -327,7 +333,7 @@ class BucketStep:
         live_rows = lens.sum().view(1)
         meta.query_lens = torch.cat([lens, self.num_rows - live_rows])
         meta.query_starts = torch.cat([packed.verify_offsets, live_rows])
-        return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features)
+        return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features, pack_unit(conditionals))
 
     def _accept(self, logits: torch.Tensor, meta: AttentionMetadata, block: torch.Tensor, q: Policy | None,
                 lens: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,7 +377,8 @@ class BucketStep:
             scratch = torch.full_like(meta.slot_mapping, SCRATCH_PAGE * buf.page_size)
             r.drafter.inject_context(features, meta.positions, torch.where(keep, meta.slot_mapping, scratch),
                                      r.drafter_caches)
-        return torch.cat([torch.stack([accepted, successor, lens, full_accepted], dim=1), block], dim=1)
+        parts = [torch.stack([accepted, successor, lens, full_accepted], dim=1), block]
+        return torch.cat(parts + ([decision.conditionals] if decision.conditionals is not None else []), dim=1)
 
     # ---- the device state around the parts
     def resolve(self) -> None:
@@ -448,6 +455,7 @@ class StepResult:
     num_rows: int  # M_live
     features: torch.Tensor | None  # [n, spec.width] float32 on the CPU (traced steps)
     device_ms: float | None = None  # the step's device time: CUDA events around its replay and result copy (CPU: wall)
+    conditionals: np.ndarray | None = None  # [n, W-1] DScale steps: the predictor's raw conditionals (15-bit)
 
 
 class StepRunner:
@@ -457,7 +465,8 @@ class StepRunner:
                  max_batch: int, max_pages: int, page_size: int, budget_ratio: float, full_width_max_batch: int,
                  feature_spec, predictor=None, projection=None, buckets: list[int] | None = None,
                  use_graphs: bool = False, device: torch.device | str = "cpu", measured_policy: bool = False,
-                 policy_context: int = 1024, target_fallback: bool = False, live_policy: bool = False) -> None:
+                 policy_context: int = 1024, target_fallback: bool = False, live_policy: bool = False,
+                 calibration: bool = False) -> None:
         assert mode in MODES
         self.target, self.drafter = target, drafter
         self.target_caches, self.drafter_caches = target_caches, drafter_caches
@@ -494,6 +503,24 @@ class StepRunner:
         self.policy_context = policy_context
         self.bucket_modes: dict[int, str] = {}
         self.policy_ms: dict[int, dict[str, float]] = {}
+        # DScale's live calibration map (`dvl/calibration.py`), [W-1, K+1] at a fixed address, identity at start;
+        # `write_calibration` rewrites it in place (stream-ordered: steps launched later read the new map).
+        self.calibration_knots = identity_knots(self.block_size - 1).to(self.device) \
+            if calibration and mode == "dscale" else None
+        on_cuda = self.device.type == "cuda"
+        self._knots_staging = torch.zeros(self.calibration_knots.shape, pin_memory=on_cuda) \
+            if self.calibration_knots is not None else None
+        self._knots_copied = torch.cuda.Event() if on_cuda and self.calibration_knots is not None else None
+
+    def write_calibration(self, knots: np.ndarray) -> None:
+        """Rewrite the live calibration map in place ([W-1, K+1] knot values; a non-blocking copy on CUDA)."""
+        assert self.calibration_knots is not None and knots.shape == tuple(self.calibration_knots.shape)
+        if self._knots_copied is not None:
+            self._knots_copied.synchronize()  # NOTE: the previous copy has left the staging before it changes
+        self._knots_staging.copy_(torch.from_numpy(knots))
+        self.calibration_knots.copy_(self._knots_staging, non_blocking=True)
+        if self._knots_copied is not None:
+            self._knots_copied.record()
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -637,7 +664,7 @@ class StepRunner:
         features = step.features[:n].float() if step.features is not None else None
         out = AsyncRead(result, timing=on_cuda)
         return PendingStep(n, rows, kind, out, AsyncRead(features) if features is not None else None, unread,
-                           started if on_cuda else 1000 * (time.perf_counter() - wall))
+                           started if on_cuda else 1000 * (time.perf_counter() - wall), step.width)
 
     def run(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
             kind: StepKind, context: np.ndarray | None = None) -> StepResult:
@@ -675,10 +702,14 @@ class PendingStep:
     features: AsyncRead | None
     unread: tuple[np.ndarray, np.ndarray] | None = None  # (the runner's unread counts, this step's slots)
     started: "torch.cuda.Event | float | None" = None  # CUDA: the event before the step's replay; CPU: its wall ms
+    width: int | None = None  # W of the step's block (None: the rest of the result row)
 
     def result(self) -> StepResult:
         n = self.num_live
-        host = self.out.get()[:n].tolist()  # NOTE: the one device-to-host read of the step
+        rows = self.out.get()[:n]  # NOTE: the one device-to-host read of the step
+        host = rows.tolist()
+        w = self.width if self.width is not None else rows.shape[1] - 4
+        conditionals = unpack_unit(rows[:, 4 + w:].numpy(), w - 1) if self.kind.mode == "dscale" else None
         device_ms = self.started.elapsed_time(self.out.done) if isinstance(self.started, torch.cuda.Event) \
             else self.started
         if self.unread is not None:
@@ -688,5 +719,5 @@ class PendingStep:
         features = self.features.get() if self.features is not None else None
         retention = self.kind.retention
         return StepResult([h[0] for h in host], [h[1] for h in host], [h[2] for h in host],
-                          [h[3] for h in host] if retention else None, [h[4:] for h in host], self.num_rows, features,
-                          device_ms)
+                          [h[3] for h in host] if retention else None, [h[4 : 4 + w] for h in host], self.num_rows,
+                          features, device_ms, conditionals)

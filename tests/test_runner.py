@@ -209,6 +209,32 @@ def test_captured_steps_equal_eager_steps_on_the_demo_pair(mode):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_captured_calibrated_steps_equal_eager_steps():
+    """DScale's live calibration map is a fixed-address tensor the host rewrites between replays: refreshed
+    every 16 request-steps, graphs on and off decode the same tokens (greedy and seeded top-1 T = 1, which
+    equal target-only's) and the maps move; then an all-zero map written in place decides the captured steps'
+    verify lengths exactly as `allocate` does for those scores (`test_calibration.written_map_decides`)."""
+    from dscale_runtime.demo.prompts import stdlib_prompts
+    from test_calibration import written_map_decides
+
+    prompts = [p["prompt"] for p in stdlib_prompts()[:16]]
+    params = [SamplingParams(temperature=float(i % 2), max_tokens=48, ignore_eos=True, seed=i) for i in range(16)]
+    want = demo_engine("target", True).generate(prompts, params)
+    for graphs in (False, True):
+        engine = demo_engine("dscale", graphs, sampling_rule="top1", live_calibration=True)
+        engine.calibration.refresh = 16
+        assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in want], graphs
+        assert engine.calibration.report()["refreshes"] >= 10
+        assert torch.equal(engine.runner.calibration_knots.cpu(), torch.from_numpy(engine.calibration.knots))
+        assert not torch.allclose(engine.runner.calibration_knots.cpu(), torch.linspace(0, 1, 9).expand(15, -1),
+                                  atol=0.02)
+        if graphs:
+            assert all(s.call.graph is not None for s in engine.runner.steps.values())
+            written_map_decides(engine, prompts[:8], params[:8], want[:8])
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_measured_policy_times_every_bucket_and_keeps_greedy_output():
     """DScale's default policy on CUDA: every bucket's DFlash and DScale steps timed after capture, each bucket
     running the faster one; greedy output still equals target-only output."""

@@ -259,7 +259,7 @@ def test_sampled_output_has_the_target_distribution(small_vocab_pair, tmp_path, 
     exact = exact_sequence_probs(target, params)
     predictor = save_predictor(tmp_path, small_vocab_pair, "untrained", 3) if mode == "dscale" else None
     cfg = EngineConfig(mode=mode, max_model_len=32, max_running_requests=256, seed=11, budget_ratio=ratio,
-                       sampling_rule=rule)
+                       sampling_rule=rule, live_calibration=True)
     engine = Engine.from_pretrained(target, drafter if mode != "target" else None, predictor=predictor, config=cfg)
     outputs = engine.generate([PROMPT] * 2000, params)
     counts = collections.Counter(tuple(o.token_ids) for o in outputs)
@@ -267,6 +267,7 @@ def test_sampled_output_has_the_target_distribution(small_vocab_pair, tmp_path, 
         assert engine.counters.accepted_drafts > 300, "drafts must be accepted for the test to mean anything"
     if mode == "dscale":
         assert engine.counters.verify_rows <= ratio * 16 * engine.counters.request_steps + engine.counters.steps
+        assert engine.calibration.report()["refreshes"] > 0, "the live calibration refreshed while sampling"
     p_value = goodness_of_fit(counts, exact)
     assert p_value > 1e-3, f"{mode}/{rule} sampling differs from the target's distribution (p={p_value:.3g})"
 

@@ -328,6 +328,18 @@ def test_models_health_and_metrics(demo_server):
     assert per_step == pytest.approx(1 + values["dscale_accepted_drafts_total"] / values["dscale_request_steps_total"])
     assert values["dscale_verify_rows_per_step_sum"] == values["dscale_verify_rows_total"]
     # The step each bucket runs: the engine's (EngineConfig defaults, no graphs on the CPU: DScale everywhere).
+    # The predictor's watch (DScale steps ran): per position, what the engine's calibration reports.
+    report = demo_server.state.engine.calibration.report()
+    watched = {(f.name, s.labels["position"]): s.value for f in families.values() for s in f.samples
+               if "position" in s.labels}
+    for name, key, positions in (("dscale_predictor_predicted_acceptance", "predicted", 15),
+                                 ("dscale_predictor_realised_acceptance", "realised", 15),
+                                 ("dscale_predictor_raw_predicted_acceptance", "predicted_raw", 15),
+                                 ("dscale_predictor_calibration_error", "error", 3),
+                                 ("dscale_predictor_raw_calibration_error", "error_raw", 3)):
+        got = [watched[name, str(j)] for j in range(1, positions + 1)]
+        assert got == pytest.approx(report[key], nan_ok=True), name
+    assert report["weight"][0] > 0 and 0 < watched["dscale_predictor_predicted_acceptance", "1"] <= 1
     runs = {s.labels["bucket"]: s.labels["step"] for s in families["dscale_step_policy"].samples}
     assert runs == {"1": "dscale", "2": "dscale", "4": "dscale", "8": "dscale"}
 

@@ -60,6 +60,12 @@ class ServeConfig:
     measuring); /metrics shows the choice per bucket."""
     measure_retention: bool = False
     """DScale: also run full-width verification to report retention in /metrics (costs a second forward)."""
+    live_calibration: bool = False
+    """DScale: refresh a calibration of the acceptance predictor from the served steps and decide by it (verify
+    lengths change, output never does); off: the raw scores decide. /metrics reports predicted vs realised
+    acceptance per draft position and the live calibration error either way (EngineConfig.live_calibration)."""
+    calibration_window: int = 128
+    """DScale with --live-calibration: request-steps the calibration's statistics decay over."""
     step_graphs: bool | None = None
     """Speculative modes: greedy decode steps on fixed per-batch-bucket buffers, captured as CUDA graphs at
     start-up on CUDA; default: on with a CUDA device (4-8x the tokens/s of eager steps on the demo pair,

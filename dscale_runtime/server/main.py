@@ -30,6 +30,7 @@ def load_engine(config: ServeConfig, engine_cls=None):
         full_width_max_batch=config.full_width_max_batch, dscale_policy=config.dscale_policy,
         step_graphs=config.step_graphs if config.step_graphs is not None else config.device.startswith("cuda"),
         measure_retention=config.measure_retention and config.mode == "dscale", device=config.device,
+        live_calibration=config.live_calibration, calibration_window=config.calibration_window,
         dtype=config.dtype, draft_dtype=config.draft_dtype, seed=config.seed,
         sampling_rule=config.sampling_rule, overlap_schedule=config.overlap_schedule,
         prefix_caching=config.prefix_caching, chunked_prefill_tokens=config.chunked_prefill_tokens,

@@ -127,6 +127,9 @@ class _ScrapeCollector:
         for (bucket, mode), ms in sorted(getattr(engine, "live_step_ms", {}).items()):
             step_ms.add_metric([model, str(bucket), mode], ms)
         yield step_ms
+        calibration = getattr(engine, "calibration", None)
+        if calibration is not None:
+            yield from _calibration_families(calibration.report(), model)
         cache = getattr(engine, "prefix_cache_stats", {})
         if cache:
             yield counter("dscale_prefix_cache_queries", "Prefix-cache lookups (one per admission).", cache["queries"])
@@ -149,3 +152,33 @@ class _ScrapeCollector:
                     timed.add_metric([model, str(size), step], entry[step])
         yield runs
         yield timed
+
+
+def _calibration_families(report: dict, model: str):
+    """DScale's watch of its acceptance predictor (`dvl/calibration.py`): per draft position j, over the recent
+    request-steps that verified j (a decayed window), predicted vs realised P(accepted >= j) and, at j = 1..3,
+    the calibration error of the scores the steps used and of the raw predictor's."""
+    families = {
+        "predicted": GaugeMetricFamily("dscale_predictor_predicted_acceptance", "Mean P(accepted >= j) the DScale "
+                                       "steps allocated by (live-calibrated when on), per draft position j, over "
+                                       "recent request-steps that verified j.", labels=["model_name", "position"]),
+        "predicted_raw": GaugeMetricFamily("dscale_predictor_raw_predicted_acceptance", "The same mean of the raw "
+                                           "predictor's P(accepted >= j).", labels=["model_name", "position"]),
+        "realised": GaugeMetricFamily("dscale_predictor_realised_acceptance", "Share of those request-steps that "
+                                      "accepted j drafts or more.", labels=["model_name", "position"]),
+        "weight": GaugeMetricFamily("dscale_predictor_watched_request_steps", "Request-steps in that decayed "
+                                    "window (their weights' sum) per draft position.", labels=["model_name", "position"]),
+        "error": GaugeMetricFamily("dscale_predictor_calibration_error", "Live calibration error (debiased ECE over "
+                                   "10 bins) of the P(accepted >= j) the steps used, j = 1..3.",
+                                   labels=["model_name", "position"]),
+        "error_raw": GaugeMetricFamily("dscale_predictor_raw_calibration_error", "The same error of the raw "
+                                       "predictor's scores.", labels=["model_name", "position"]),
+    }
+    for key, family in families.items():
+        for j, value in enumerate(report[key], 1):
+            family.add_metric([model, str(j)], value)
+        yield family
+    refreshes = CounterMetricFamily("dscale_predictor_calibration_refreshes", "Refreshes of the live calibration "
+                                    "map (0 with --live-calibration off).", labels=["model_name"])
+    refreshes.add_metric([model], report["refreshes"])
+    yield refreshes
