@@ -22,6 +22,7 @@ import statistics
 
 import torch
 
+from dscale_runtime.graphs import cuda_times
 from dscale_runtime.kernels.filters import filter_floor, filter_keep_ref, scaled_logits
 from dscale_runtime.sampling import Policy, SamplingRows, make_policy, policy_probs, policy_probs_ref
 
@@ -84,15 +85,7 @@ def time_ms(fn, calls: int, repeats: int) -> dict:
     torch.cuda.synchronize()
 
     def median(run) -> float:
-        samples = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / calls)
-        return statistics.median(samples)
+        return statistics.median(cuda_times(run, repeats)) / calls
 
     def eager():
         for _ in range(calls):
