@@ -5,7 +5,7 @@ tokens/s = generated tokens / wall time, the median of `--repeats` rounds after 
 prompts (so every prefill shape and Triton kernel is compiled before timing); each round times every mode once
 in turn, all engines of a concurrency built side by side. Every mode runs through the step runner;
 `--step-graphs` captures its steps (target-only too, so the speedups are against a captured baseline). Each
-`--sampling` point is `T` or `T/top_p` (0 = greedy); sampled requests carry per-request seeds. Greedy output
+`--sampling` point is `T`, `T/top_p` or `T/top_p/top_k` (0 = greedy); sampled requests carry per-request seeds. Greedy output
 of every mode is compared with target-only output (bf16 may differ at near-ties; fp32 must not): for each
 difference, the fp32 target's top-2 logit margin at the first differing token (`dscale_runtime.demo.ties`).
 Issue 15's check per mode and sampled point: tokens/s >= 0.95 x greedy tokens/s x acceptance / greedy acceptance.
@@ -48,12 +48,12 @@ def timed(engine: Engine, prompts: list[str], params: list[SamplingParams]) -> t
     return time.perf_counter() - start, outputs
 
 
-def run_point(engines: dict[str, Engine], prompts: list[str], temperature: float, top_p: float, max_tokens: int,
-              repeats: int) -> dict[str, dict]:
+def run_point(engines: dict[str, Engine], prompts: list[str], temperature: float, top_p: float, top_k: int,
+              max_tokens: int, repeats: int) -> dict[str, dict]:
     """Every engine warmed up on the prompts, then `repeats` rounds that time each engine once in turn (so drift
     of the machine hits every mode alike); tokens/s from the median round, with the spread."""
-    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True,
-                             seed=i if temperature > 0 else None) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                             ignore_eos=True, seed=i if temperature > 0 else None) for i in range(len(prompts))]
     for engine in engines.values():
         engine.generate(prompts, params)  # warm-up
     seconds = {name: [] for name in engines}
@@ -70,7 +70,7 @@ def run_point(engines: dict[str, Engine], prompts: list[str], temperature: float
         median = statistics.median(seconds[name])
         rows[name] = {
             "mode": name, "concurrency": engine.config.max_running_requests, "temperature": temperature,
-            "top_p": top_p, "seconds": round(median, 3), "tokens_per_s": round(tokens / median, 1),
+            "top_p": top_p, "top_k": top_k, "seconds": round(median, 3), "tokens_per_s": round(tokens / median, 1),
             "tokens_per_s_runs": [round(tokens / t, 1) for t in seconds[name]],
             "mean_acceptance_length": round(1 + sum(accepted) / len(accepted), 3) if accepted else 1.0,
             "request_steps": sum(o.stats.num_steps for o in out), "tokens": [o.token_ids for o in out],
@@ -80,9 +80,10 @@ def run_point(engines: dict[str, Engine], prompts: list[str], temperature: float
     return rows
 
 
-def parse_point(text: str) -> tuple[float, float]:
-    t, _, p = text.partition("/")
-    return float(t), float(p) if p else 1.0
+def parse_point(text: str) -> tuple[float, float, int]:
+    t, _, rest = text.partition("/")
+    p, _, k = rest.partition("/")
+    return float(t), float(p) if p else 1.0, int(k) if k else -1
 
 
 def main() -> None:
@@ -90,7 +91,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument("--sampling", nargs="+", default=["0"], help="T or T/top_p per point (0 = greedy)")
+    parser.add_argument("--sampling", nargs="+", default=["0"],
+                        help="T, T/top_p or T/top_p/top_k per point (0 = greedy)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--predictor", type=Path, default=DEMO_DIR.parent / "demo.pt")
     parser.add_argument("--step-graphs", action="store_true", help="capture every mode's steps (CUDA graphs)")
@@ -139,7 +141,7 @@ def main() -> None:
                 extra = (f"equal {r['prompts_equal_to_target']}/{len(prompts)} margins "
                          f"{[d['fp32_top2_margin'] for d in r['differences']]}" if point[0] == 0 else
                          f"vs greedy-scaled {r.get('sampled_cost_ratio')}")
-                print(f"c={c:3d} T={point[0]} top_p={point[1]} {r['mode']:18s} {r['tokens_per_s']:9.1f} tok/s  "
+                print(f"c={c:3d} T={point[0]} top_p={point[1]} top_k={point[2]} {r['mode']:18s} {r['tokens_per_s']:9.1f} tok/s  "
                       f"runs {r['tokens_per_s_runs']}  x{r['speedup_vs_target']:.2f}  /dflash {r['vs_dflash']:.3f}  "
                       f"acc_len {r['mean_acceptance_length']:.3f}  {extra}", flush=True)
         del engines

@@ -113,9 +113,10 @@ class EngineConfig:
     prefill_stall_ratio: float = 1.0
     """While requests decode, a step's prefill chunk lasts at most this share of the decode step beside it
     (by the prefill and decode step times measured at start-up, the chunk's context included), so a decode
-    step with a chunk takes at most (1 + ratio) x one without; a prompt then prefills over more steps. Needs
-    captured prefill; 0 = no such bound (`chunked_prefill_tokens` alone). With nothing decoding the whole
-    `chunked_prefill_tokens` budget is used."""
+    step with a chunk takes at most (1 + ratio) x one without; a prompt then prefills over more steps. The
+    decode step is the device's, or the driving loop's live cycle where that is longer (a host-bound server:
+    `Engine.stall_reference_ms`). Needs captured prefill; 0 = no such bound (`chunked_prefill_tokens` alone).
+    With nothing decoding the whole `chunked_prefill_tokens` budget is used."""
     admission_group: int = 1
     """While requests decode, admit waiting requests in groups of up to this many: with at least this many
     waiting and fewer slots free, admission waits (at most 4 steps) until the group fits, so one prefill serves

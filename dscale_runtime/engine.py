@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -52,6 +53,10 @@ TARGET_PROBE = 8 * FALLBACK_PROBE
 """While speculation pays, every this-many-th step may run a target-only step, to keep its live time current."""
 STEP_TIME_WEIGHT = 0.1
 """Weight of each step in the running mean of a bucket's live step time per mode (about the last 10 of them)."""
+CYCLE_WEIGHT = 0.1
+"""Weight of each engine cycle in the running mean of the wall time between decode steps (`Engine.cycle_ms`)."""
+CYCLE_REFERENCE_CAP = 8.0
+"""The prefill chunk's reference (`Engine.stall_reference_ms`) is at most this many decode steps."""
 
 
 class Engine:
@@ -165,6 +170,13 @@ class Engine:
         kinds (sampled ones cost more than the greedy steps timed at start-up) at its actual context lengths."""
         self.time_live_steps = self.runner.use_graphs
         """Whether committed steps update `live_step_ms` (captured steps: their start-up times exist to start from)."""
+        self.host_ms: dict[tuple[int, str], float] = {}
+        """(bucket, step mode) -> running mean of the host's own work (ms) per engine cycle that launched such a
+        step: the cycle's wall time less the time it waited for the device. With the overlap schedule a step costs
+        the loop about max(device time, host time), so the live choice compares that (`step_costs`): in a
+        host-bound loop (a server streaming every token) speculation's extra device time hides behind the host's."""
+        self.time_host = self.time_live_steps and self.device.type == "cuda"
+        """Whether cycles update `host_ms` (captured CUDA steps, whose device times are measured apart)."""
         self._live_steps = 0
         self._last_run: dict[str, int] = {}
         """Step mode -> `_live_steps` when it last ran (the live choice probes the one run least recently)."""
@@ -191,6 +203,15 @@ class Engine:
                 self.prefiller.bucket_ms.values()))[2], {b: (round(a, 3), round(c, 3))
                                                          for b, (a, c, _) in self.prefiller.bucket_ms.items()})
         self._pending: list = []  # launched steps not committed yet, oldest first: callables -> finished requests
+        self.cycle_ms: float | None = None
+        """Running mean of the wall time (ms) from one `step` call to the next while requests decode, over the
+        cycles with no prefill in them or in the two before (with the overlap schedule a chunk's device time
+        shows two cycles later, in the wait for the step launched after it): what a decode step costs the loop
+        that drives the engine (a server's streaming and HTTP work included), the chunk bound's reference where
+        it exceeds the device step."""
+        # [perf_counter at the last step call, bit i: prefilled i cycles before it, ms it waited for the device,
+        #  (bucket, mode) of the decode step it launched]
+        self._cycle: list | None = None
         self._ids = itertools.count()
         self._generator = torch.Generator()
         self._generator.manual_seed(config.seed)
@@ -387,6 +408,7 @@ class Engine:
         """Run one engine step; returns the requests that finished in it (with the overlap schedule, those
         the commit of the previous decode step finished)."""
         finished: list[Request] = []
+        self._time_cycle()
         decoding = [r for r in self.scheduler.running if not r.prefilling]
         if self._pending and not (decoding and self._overlapping()
                                   and self.scheduler.reserve(decoding, self.overlap_lookahead)):
@@ -410,7 +432,35 @@ class Engine:
         for request in finished:
             self.requests.pop(request.request_id, None)
             outputs.append(self._output(request))
+        if not (decoding and self.has_unfinished()):
+            self._cycle = None  # NOTE: the time until the next call is not a decode cycle (idle, or no decoding)
         return outputs
+
+    def _time_cycle(self) -> None:
+        """At each `step` call: the wall time since the previous call, when that one decoded, work remained and
+        neither it nor the two before prefilled, into `cycle_ms` (the first two cycles of a run count as
+        prefilled: they follow its first admission)."""
+        now, last = time.perf_counter(), self._cycle
+        if last is not None and not last[1]:
+            sample = (now - last[0]) * 1e3
+            self.cycle_ms = sample if self.cycle_ms is None else self.cycle_ms + CYCLE_WEIGHT * (sample - self.cycle_ms)
+        if last is not None and last[3] is not None and self.time_host:
+            host, old = max(0.0, (now - last[0]) * 1e3 - last[2]), self.host_ms.get(last[3])
+            self.host_ms[last[3]] = host if old is None else old + CYCLE_WEIGHT * (host - old)  # key (bucket, mode)
+        self._cycle = [now, (last[1] << 1) & 0b110 if last is not None else 0b110, 0.0, None]
+
+    def _waited(self, ms: float) -> None:
+        """Count host time spent waiting for the device in the current cycle (not host work)."""
+        if self._cycle is not None:
+            self._cycle[2] += ms
+
+    def stall_reference_ms(self, decoding: int) -> float:
+        """The decode step a prefill chunk beside `decoding` running requests is bounded against
+        (`prefill_stall_ratio`): the bucket's measured device step, or the loop's live cycle (`cycle_ms`) where
+        that is longer (a host-bound loop, e.g. a server streaming every token, where a chunk the device runs
+        while the host works delays no step), at most CYCLE_REFERENCE_CAP device steps."""
+        device = self.decode_ms[self.runner.bucket(decoding)]
+        return min(max(device, self.cycle_ms or 0.0), CYCLE_REFERENCE_CAP * device)
 
     def _prefill_chunks(self) -> list[Request]:
         """Prefill the running requests that still need it, in admission order, at most
@@ -421,7 +471,7 @@ class Engine:
         if budget is not None and decoding and self.decode_ms and self.config.prefill_stall_ratio > 0:
             # NOTE: beside decoding, a chunk lasts at most stall_ratio x the decode step (measured at start-up)
             first = next((r for r in self.scheduler.running if r.prefilling), None)
-            limit = self.config.prefill_stall_ratio * self.decode_ms[self.runner.bucket(decoding)]
+            limit = self.config.prefill_stall_ratio * self.stall_reference_ms(decoding)
             budget = self.prefiller.budget(limit, budget, first.num_computed if first is not None else 0)
         batch = []
         for request in self.scheduler.running:
@@ -434,7 +484,11 @@ class Engine:
                 budget -= request.prefill_chunk
                 if budget <= 0:
                     break
-        return self._isolated(self._prefill, batch) if batch else []
+        if not batch:
+            return []
+        if self._cycle is not None:
+            self._cycle[1] |= 1
+        return self._isolated(self._prefill, batch)
 
     def _overlapping(self) -> bool:
         """Whether commits may run a step behind: the overlap schedule is on and no step observer waits for
@@ -544,6 +598,7 @@ class Engine:
         def commit() -> list[Request]:
             finished = []
             tokens = read.get().tolist()
+            self._waited(read.waited_ms)
             for request, i in zip(fresh, done):
                 request.ahead -= 1
                 if request.status is Status.RUNNING and self._commit_or_fail(request, [tokens[i]]):
@@ -594,17 +649,25 @@ class Engine:
         """The cost (ms) of each step mode in `bucket` that the live choice compares: its live device time
         (`live_step_ms`) once it has run there, else its start-up time (`StepRunner.policy_ms`) scaled by the
         live / start-up ratio of the modes that have run in the bucket (1 before any has), so that start-up
-        and live times compare on one scale."""
+        and live times compare on one scale; at least the host's own work per cycle of that mode (`host_ms`),
+        which the overlap schedule cannot hide."""
         start = self.runner.policy_ms[bucket]
         live = {m: self.live_step_ms[bucket, m] for m in modes if (bucket, m) in self.live_step_ms}
         scale = float(np.mean([live[m] / start[m] for m in live])) if live else 1.0
-        return {m: live.get(m, start[m] * scale) for m in modes}
+        device = {m: live.get(m, start[m] * scale) for m in modes}
+        host = {m: self.host_ms[bucket, m] for m in modes if (bucket, m) in self.host_ms}
+        if not host:
+            return device
+        fallback = float(np.mean(list(host.values())))  # NOTE: a mode not measured yet: the measured ones' mean
+        return {m: max(device[m], host.get(m, fallback)) for m in modes}
 
     def _decode(self, requests: list[Request]) -> list[Request]:
         """Launch one decode step of the running batch through the runner; its host commit is queued
         (`_drain`). A request with a launched, uncommitted step starts from the device state."""
         n = len(requests)
         mode = self._mode_for(n)
+        if self._cycle is not None:
+            self._cycle[3] = (self.runner.bucket(n), mode)
         kind = self._step_kind(requests, mode)
         ctx = [r.num_computed for r in requests]
         decode_steps = [r.stats.num_steps for r in requests]
@@ -624,7 +687,9 @@ class Engine:
         def commit() -> list[Request]:
             for request in requests:
                 request.ahead -= 1
-            return self._commit_step(requests, pending.result(), mode, kind, ctx, decode_steps, knots)
+            result = pending.result()
+            self._waited(result.waited_ms)
+            return self._commit_step(requests, result, mode, kind, ctx, decode_steps, knots)
 
         self._pending.append(commit)
         return []

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -454,8 +454,10 @@ class StepResult:
     drafts: list[list[int]]  # [n][W] anchor + drafts of each request
     num_rows: int  # M_live
     features: torch.Tensor | None  # [n, spec.width] float32 on the CPU (traced steps)
-    device_ms: float | None = None  # the step's device time: CUDA events around its replay and result copy (CPU: wall)
+    # NOTE: a timing, not a result: two runs of one step decode the same whatever their times (compare=False)
+    device_ms: float | None = field(default=None, compare=False)  # CUDA events around replay + result copy (CPU: wall)
     conditionals: np.ndarray | None = None  # [n, W-1] DScale steps: the predictor's raw conditionals (15-bit)
+    waited_ms: float = field(default=0.0, compare=False)  # host time blocked on the device for this step's results
 
 
 class StepRunner:
@@ -677,6 +679,8 @@ class AsyncRead:
     on the CPU the tensor itself (an eager step's outputs are fresh tensors)."""
 
     def __init__(self, tensor: torch.Tensor, timing: bool = False) -> None:
+        self.waited_ms = 0.0
+        """Host time `get()` spent waiting for the device (the engine's host-cost estimate leaves it out)."""
         if tensor.device.type == "cpu":
             self.host, self.done = tensor, None
             return
@@ -686,8 +690,10 @@ class AsyncRead:
         self.done.record()
 
     def get(self) -> torch.Tensor:
-        if self.done is not None:
+        if self.done is not None and not self.done.query():
+            start = time.perf_counter()
             self.done.synchronize()
+            self.waited_ms += (time.perf_counter() - start) * 1e3
         return self.host
 
 
@@ -718,6 +724,7 @@ class PendingStep:
             self.unread = None
         features = self.features.get() if self.features is not None else None
         retention = self.kind.retention
+        waited = self.out.waited_ms + (self.features.waited_ms if self.features is not None else 0.0)
         return StepResult([h[0] for h in host], [h[1] for h in host], [h[2] for h in host],
                           [h[3] for h in host] if retention else None, [h[4 : 4 + w] for h in host], self.num_rows,
-                          features, device_ms, conditionals)
+                          features, device_ms, conditionals, waited)

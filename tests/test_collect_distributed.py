@@ -195,13 +195,15 @@ def test_num_workers_flag_and_identity(monkeypatch, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_workers_write_the_records_of_one(tmp_path):
-    """The demo pair in bf16: two workers (one per GPU, or both on cuda:0 on a one-GPU machine) == one worker."""
+    """The demo pair in bf16: two workers (one per GPU, or both on cuda:0 on a one-GPU machine) == one worker.
+    Worker 1's first shard (c = 8, chunk 0) is the one worker's second: it must not read what the earlier shards
+    left in the engine (a prefix cache would prefill that chunk's prompts from cached pages, in other shapes)."""
     section = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["collect"]
     config = tmp_path / "demo_gpu.yaml"
     device = "cuda" if torch.cuda.device_count() >= 2 else "cuda:0"
     config.write_text(yaml.safe_dump({"collect": dict(
-        section, device=device, datasets=[{"name": "demo-stdlib"}], max_prompts=16, concurrency=[4, 8],
-        chunk_prompts=8, max_new_tokens=32, progress=False)}))
+        section, device=device, datasets=[{"name": "demo-stdlib"}], max_prompts=8, concurrency=[4, 8],
+        chunk_prompts=4, max_new_tokens=16, progress=False)}))
     single, two = tmp_path / "single", tmp_path / "two"
     for out, extra in ((single, ()), (two, ("--num-workers", "2"))):
         proc = _run(config, out, *extra, threads=1)

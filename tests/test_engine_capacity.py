@@ -215,6 +215,28 @@ def test_step_costs_scale_start_up_times_of_steps_not_run_live(pair):  # noqa: F
     assert engine.step_costs(bucket, ["dflash", "target"]) == {"dflash": 2.0, "target": 1.0}  # nothing live yet
     engine.live_step_ms[bucket, "dflash"] = 3.0  # 1.5x its start-up time: the target step's estimate scales alike
     assert engine.step_costs(bucket, ["dflash", "target"]) == pytest.approx({"dflash": 3.0, "target": 1.5})
+    # A host-bound loop: a step costs at least the host's work per cycle of its mode (unmeasured: the others' mean)
+    engine.host_ms[bucket, "dflash"] = 5.0
+    assert engine.step_costs(bucket, ["dflash", "target"]) == pytest.approx({"dflash": 5.0, "target": 5.0})
+    engine.host_ms[bucket, "target"] = 2.0
+    assert engine.step_costs(bucket, ["dflash", "target"]) == pytest.approx({"dflash": 5.0, "target": 2.0})
+    engine.host_ms[bucket, "target"] = 1.0
+    assert engine.step_costs(bucket, ["dflash", "target"]) == pytest.approx({"dflash": 5.0, "target": 1.5})
+
+
+def test_host_work_per_cycle_is_measured_per_bucket_and_mode(pair):  # noqa: F811
+    """`Engine.host_ms`: each cycle's wall time less its waits for the device, keyed by the (bucket, mode) of the
+    step it launched; cycles that wait on nothing (the CPU) count their whole wall time."""
+    import time
+
+    engine = make_engine(pair, "dflash", max_running_requests=2, sampling_rule="top1")
+    engine.time_host = True  # NOTE: on by itself only with captured CUDA steps
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        time.sleep(0.02)
+    assert set(engine.host_ms) == {(engine.runner.bucket(1), "dflash")}
+    assert engine.host_ms[engine.runner.bucket(1), "dflash"] >= 20
 
 
 def test_target_fallback_keeps_speculating_when_drafts_are_accepted(pair):  # noqa: F811

@@ -18,8 +18,8 @@ def test_demo_pair_lossless_on_cuda(tmp_path, dtype):
     from dscale_runtime.dvl.features import hidden_projection
     from dscale_runtime.dvl.predictor import pair_identity, predictor_artifact
 
-    prompts = [p["prompt"] for p in stdlib_prompts()[:32]]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompts = [p["prompt"] for p in stdlib_prompts()[:24]]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     base = dict(device="cuda", dtype=dtype, max_running_requests=16, max_model_len=1024)
     target = Engine.from_pretrained(DEMO_DIR / "target", config=EngineConfig(mode="target", **base))
     want = target.generate(prompts, params)
@@ -67,9 +67,9 @@ def test_captured_prefill_equals_eager_prefill_and_nothing_compiles_after_start_
     from dscale_runtime.dvl.predictor import pair_identity, predictor_artifact
 
     base = [p["prompt"] for p in stdlib_prompts()[:12]]
-    prompts = [base[i % 4] * 2 + base[4 + i % 8] for i in range(24)]
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) if i % 3 == 0 else
-              SamplingParams(temperature=1.0, top_p=0.8 if i % 3 == 1 else 1.0, max_tokens=40, ignore_eos=True,
+    prompts = [base[i % 4] * 2 + base[4 + i % 8] for i in range(18)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) if i % 3 == 0 else
+              SamplingParams(temperature=1.0, top_p=0.8 if i % 3 == 1 else 1.0, max_tokens=24, ignore_eos=True,
                              seed=i) for i in range(len(prompts))]
     predictor = None
     if mode == "dscale":

@@ -257,8 +257,8 @@ def test_graph_replay_equals_eager_on_cuda(attention):
 def test_tiny_benchmark_on_cuda(tmp_path):
     out = tmp_path / "step.json"
     gpu_step.main(["--device", "cuda", "--shapes", "tiny", "--ns", "3", "--context", "40", "--reps", "2",
-                   "--warmup", "1", "--ratios", "0.5", "1.0", "--sections", "step", "decision", "verify", "draft",
-                   "profile", "buckets", "--max-n", "5", "--bucket-reps", "2", "--out", str(out)])
+                   "--warmup", "1", "--ratios", "0.5", "1.0", "--sections", "step", "decision", "verify", "buckets",
+                   "--max-n", "5", "--bucket-reps", "2", "--out", str(out)])
     res = json.loads(out.read_text())
     assert res["errors"] == [] and res["skipped"] == []
     entry = res["shapes"]["tiny"]["N"]["3"]

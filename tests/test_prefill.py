@@ -83,7 +83,8 @@ def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  
     bucket whose prefill lasts at most prefill_stall_ratio x the decode step; alone it takes the whole budget."""
     prompts, params, want = plain
     engine = make_engine(pair, "dflash", max_running_requests=4, prefill_buckets=(16, 32, 64),
-                         chunked_prefill_tokens=64, prefill_stall_ratio=1.0, sampling_rule="top1")
+                         chunked_prefill_tokens=64, prefill_stall_ratio=1.0, sampling_rule="top1",
+                         prefix_caching=False)  # NOTE: each run below prefills every prompt whole
     engine.prefiller.bucket_ms = {16: (0.2, 0.3, 100), 32: (0.5, 0.9, 100), 64: (1.5, 2.0, 100)}
     engine.decode_ms = {b: 0.6 for b in engine.runner.buckets}
     assert engine.prefiller.budget(0.6, 64, ctx=0) == 32 and engine.prefiller.budget(0.6, 64, ctx=50) == 16
@@ -93,6 +94,13 @@ def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  
     saved, engine.prefiller.bucket_ms = engine.prefiller.bucket_ms, weight_bound
     assert engine.prefiller.budget(3.0, 64) == 64 and engine.prefiller.budget(3.0, 48) == 48
     engine.prefiller.bucket_ms = saved
+    # The reference is the device step, or the driving loop's live cycle where longer, capped at 8 device steps
+    engine.cycle_ms = None
+    assert engine.stall_reference_ms(2) == 0.6
+    engine.cycle_ms = 3.0
+    assert engine.stall_reference_ms(2) == 3.0
+    engine.cycle_ms = 60.0
+    assert engine.stall_reference_ms(2) == pytest.approx(8 * 0.6)
     chunks = []
     real = engine._prefill
 
@@ -102,10 +110,33 @@ def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  
         return real(requests)
 
     engine._prefill = spy
-    assert_same(engine.generate(prompts, params), want)
-    beside = [tokens for decoding, tokens in chunks if decoding]
-    alone = [tokens for decoding, tokens in chunks if not decoding]
-    assert beside and max(beside) <= 32 and max(alone) > 32
+    engine._time_cycle = lambda: None  # NOTE: the CPU's own cycles (tens of ms) would lift the bound
+    for cycle_ms, n in ((None, len(prompts)), (3.0, 5)):  # a host-bound loop (3 ms cycles): 64-token chunks
+        chunks.clear()
+        engine.cycle_ms = cycle_ms
+        assert_same(engine.generate(prompts[:n], params[:n]), want[:n])
+        beside = [tokens for decoding, tokens in chunks if decoding]
+        alone = [tokens for decoding, tokens in chunks if not decoding]
+        assert beside and max(alone) > 32 and (max(beside) <= 32) == (cycle_ms is None), (cycle_ms, beside)
+
+
+def test_cycle_time_follows_the_driving_loop(pair):  # noqa: F811
+    """`Engine.cycle_ms`: the wall time between `step` calls while requests decode, cycles near a prefill left
+    out; a loop that sleeps 30 ms between steps (a busy server) reads >= 30 ms, an idle gap counts nothing."""
+    import time
+
+    engine = make_engine(pair, "dflash", max_running_requests=2, sampling_rule="top1")
+    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        time.sleep(0.03)
+    assert steps > 5 and engine.cycle_ms is not None and 30 <= engine.cycle_ms < 1000
+    seen = engine.cycle_ms
+    time.sleep(0.3)  # idle: the next run's first cycles follow an admission, the gap is no cycle
+    engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert engine.cycle_ms == seen
 
 
 def test_prefill_options_are_checked():

@@ -10,6 +10,8 @@ distribution.
 from __future__ import annotations
 
 import collections
+import functools
+
 import pytest
 import torch
 
@@ -179,6 +181,17 @@ def demo_engine(mode: str, graphs: bool, **config) -> Engine:
                                   DEMO_DIR.parent / "demo.pt" if mode == "dscale" else None, config=cfg)
 
 
+@functools.cache
+def greedy_oracle() -> tuple[list[str], SamplingParams, list[list[int]]]:
+    """16 held-out prompts x 32 greedy tokens and captured target-only's tokens for them: the oracle of the policy
+    tests (computed once per process, by whichever test asks first)."""
+    from dscale_runtime.demo.prompts import stdlib_prompts
+
+    prompts = [p["prompt"] for p in stdlib_prompts()[:16]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    return prompts, params, [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
+
+
 @pytest.mark.parametrize("mode", ["target", "dflash", "dscale"])
 @pytest.mark.gpu
 @needs_cuda
@@ -190,9 +203,9 @@ def test_captured_steps_equal_eager_steps_on_the_demo_pair(mode):
     the logits differently, and a draw that falls within that rounding of a boundary picks the next token."""
     from dscale_runtime.demo.prompts import stdlib_prompts
 
-    prompts = [p["prompt"] for p in stdlib_prompts()[:24]]
+    prompts = [p["prompt"] for p in stdlib_prompts()[:15]]
     points = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)]
-    params = [SamplingParams(temperature=points[i % 3][0], top_p=points[i % 3][1], max_tokens=48, ignore_eos=True,
+    params = [SamplingParams(temperature=points[i % 3][0], top_p=points[i % 3][1], max_tokens=36, ignore_eos=True,
                              seed=i) for i in range(len(prompts))]
     tokens = {}
     for graphs, overlap in ((False, True), (True, True), (False, False), (True, False)):
@@ -238,11 +251,7 @@ def test_captured_calibrated_steps_equal_eager_steps():
 def test_measured_policy_times_every_bucket_and_keeps_greedy_output():
     """DScale's default policy on CUDA: every bucket's DFlash and DScale steps timed after capture, each bucket
     running the faster one; greedy output still equals target-only output."""
-    from dscale_runtime.demo.prompts import stdlib_prompts
-
-    prompts = [p["prompt"] for p in stdlib_prompts()[:20]]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    want = [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
+    prompts, params, want = greedy_oracle()
     engine = demo_engine("dscale", True, dscale_policy="measured")
     runner = engine.runner
     assert sorted(runner.bucket_modes) == runner.buckets == sorted(runner.policy_ms)
@@ -260,11 +269,7 @@ def test_live_policy_serves_only_captured_steps_and_keeps_greedy_output():
     for every serving kind at start-up (no capture while serving), and greedy output equals target-only's."""
     import dataclasses
 
-    from dscale_runtime.demo.prompts import stdlib_prompts
-
-    prompts = [p["prompt"] for p in stdlib_prompts()[:20]]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    want = [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
+    prompts, params, want = greedy_oracle()
     engine = demo_engine("dscale", True, dscale_policy="live", target_fallback=True)
     runner = engine.runner
     for n in range(1, runner.buckets[-1] + 1):
@@ -283,11 +288,7 @@ def test_target_fallback_times_target_steps_and_keeps_greedy_output():
     """Speculative engines with graphs time every bucket's target-only step beside their own; with start-up
     times that make speculation lose at the live acceptance, their target-only steps (which feed the drafter's
     cache) and the probes between them still decode target-only's greedy tokens."""
-    from dscale_runtime.demo.prompts import stdlib_prompts
-
-    prompts = [p["prompt"] for p in stdlib_prompts()[:20]]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    want = [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
+    prompts, params, want = greedy_oracle()
     for mode in ("dflash", "dscale"):
         engine = demo_engine(mode, True, target_fallback=True)
         runner = engine.runner
@@ -307,8 +308,8 @@ def test_chunked_prefill_and_prefix_caching_keep_greedy_output_on_cuda():
     from dscale_runtime.demo.prompts import stdlib_prompts
 
     base = [p["prompt"] for p in stdlib_prompts()[:6]]
-    prompts = [base[i % 3] * 3 + base[3 + i % 3] for i in range(18)]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = [base[i % 3] * 3 + base[3 + i % 3] for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in demo_engine("target", True, prefix_caching=False, chunked_prefill_tokens=0,
                                              max_running_requests=4).generate(prompts, params)]
     for mode in ("target", "dflash", "dscale"):
@@ -323,7 +324,7 @@ def test_captured_top1_sampling_equals_captured_target_only_sampling():
     from dscale_runtime.demo.prompts import stdlib_prompts
 
     prompts = [p["prompt"] for p in stdlib_prompts()[:16]]
-    params = [SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=100 + i) for i in range(16)]
+    params = [SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, seed=100 + i) for i in range(16)]
     want = [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
     for mode in ("dflash", "dscale"):
         got = [o.token_ids for o in demo_engine(mode, True, sampling_rule="top1").generate(prompts, params)]
@@ -345,7 +346,7 @@ def test_captured_sampling_has_the_target_distribution(tmp_path, mode, rule, rat
     predictor = save_predictor(tmp_path, (target, drafter), "untrained", 3) if mode == "dscale" else None
     cfg = EngineConfig(mode=mode, max_model_len=32, max_running_requests=256, seed=11, budget_ratio=ratio,
                        sampling_rule=rule, device="cuda", dtype="float32", step_graphs=True, dscale_policy="always",
-                       target_fallback=False)
+                       target_fallback=False, graph_buckets=(16, 64, 256))  # NOTE: 3 buckets, not default_buckets' 40
     engine = Engine.from_pretrained(target, drafter, predictor=predictor, config=cfg)
     counts = collections.Counter(tuple(o.token_ids) for o in engine.generate([PROMPT] * 3000, params))
     assert engine.counters.accepted_drafts > 300

@@ -121,9 +121,11 @@ def _collect(cfg: CollectConfig, workers: Workers) -> dict:
     prompts = []
     for spec in cfg.datasets:
         prompts += load_prompts(spec)[: cfg.max_prompts]
+    # NOTE: no prefix cache: a cached prefix prefills only the prompt's tail, in another GEMM shape, so a shard's
+    # records (bf16 features) would depend on which shards its worker ran before it, i.e. on --num-workers.
     engine_cfg = EngineConfig(mode="dflash", max_running_requests=max(cfg.concurrency),
                               device=workers.device(cfg.device), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                              seed=cfg.seed, sampling_rule=cfg.sampling_rule)
+                              seed=cfg.seed, sampling_rule=cfg.sampling_rule, prefix_caching=False)
     engine = Engine.from_pretrained(cfg.target, cfg.drafter, config=engine_cfg)
     spec = drafter_feature_spec(engine.drafter.config)  # NOTE: DFlash 1 or DFlash 2 features, W - 1 positions
     store = TraceStore(cfg.output)

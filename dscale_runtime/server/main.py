@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import sys
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("dscale.serve").info(
         "serving '%s' (mode %s, max %d running, context %d) on http://%s:%d/v1", config.model_name, config.mode,
         config.max_running_requests, engine.config.max_model_len, config.host, config.port)
+    # NOTE: start-up's objects (weights' wrappers, graphs, tokenizer) move to the permanent generation: the
+    # collector's full passes while serving no longer walk them, which shortens the pauses a request can meet
+    gc.collect()
+    gc.freeze()
     uvicorn.Server(uvicorn_config(app, config, config.log_level)).run()
 
 

@@ -127,6 +127,18 @@ class _ScrapeCollector:
         for (bucket, mode), ms in sorted(getattr(engine, "live_step_ms", {}).items()):
             step_ms.add_metric([model, str(bucket), mode], ms)
         yield step_ms
+        host_ms = GaugeMetricFamily("dscale_live_host_ms", "Running mean of the host's own work (ms) per engine "
+                                    "cycle that launched a bucket's step of this mode (the cycle's wall time less its "
+                                    "waits for the device); a step costs the live choice at least this.",
+                                    labels=["model_name", "bucket", "step"])
+        for (bucket, mode), ms in sorted(getattr(engine, "host_ms", {}).items()):
+            host_ms.add_metric([model, str(bucket), mode], ms)
+        yield host_ms
+        cycle = getattr(engine, "cycle_ms", None)
+        if cycle is not None:
+            yield gauge("dscale_engine_cycle_ms", "Running mean of the wall time between engine steps while requests "
+                        "decode, away from prefills (the prefill chunk bound's reference where above the device "
+                        "step).", cycle)
         calibration = getattr(engine, "calibration", None)
         if calibration is not None:
             yield from _calibration_families(calibration.report(), model)
