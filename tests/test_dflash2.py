@@ -544,3 +544,70 @@ def test_collect_train_and_serve_over_a_dflash2_drafter(tmp_path):
                                     config=EngineConfig(mode="dscale", max_model_len=96, max_running_requests=6))
     assert engine.feature_spec.version == FEATURE_VERSION_DFLASH2
     assert [o.token_ids for o in engine.generate(heads, params)] == [o.token_ids for o in want]
+
+
+# ---------------------------------------------------------------------------------------------- Triton walk
+def _walk_inputs(n, p, k, d, rank, vocab, dtype, device="cpu", seed=0):
+    from dscale_runtime.models.dflash2 import CandidateSelector
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sel = CandidateSelector(vocab, d, rank, k).to(device)
+    with torch.no_grad():
+        for t in sel.parameters():
+            t.copy_(torch.randn(t.shape, generator=gen, device=device) * (0.3 if t.dim() == 2 and t.shape[0] == rank
+                                                                          else 1.0))
+    sel = sel.to(dtype)
+    hidden = torch.randn(n, p, d, generator=gen, device=device).to(dtype)
+    unary = torch.randn(n, p, k, generator=gen, device=device) * 2
+    candidates = torch.stack([torch.randperm(vocab, generator=gen, device=device)[:k]
+                              for _ in range(n * p)]).view(n, p, k)
+    anchors = torch.randint(0, vocab, (n,), generator=gen, device=device)
+    temperature = (torch.rand(n, generator=gen, device=device) * 1.5 + 0.3)
+    draw = torch.arange(n, device=device) % 3 != 2
+    u = torch.rand(n, p, generator=gen, device=device, dtype=torch.float64)
+    return sel, (hidden, unary, candidates, anchors, temperature, draw, u)
+
+
+def _check_walk(sel, inputs, fp32):
+    hidden, unary, candidates, anchors, temperature, draw, u = inputs
+    for args in ((), (temperature, draw, u)):
+        block = torch.full((hidden.shape[0], hidden.shape[1] + 1), -1, dtype=torch.long, device=hidden.device)
+        block[:, 0] = anchors
+        path, scores, q = sel.walk(hidden, unary, candidates, block[:, 0], *args, backend="triton", out=block[:, 1:])
+        ref_path, ref_scores, ref_q = walk_ref(sel, hidden, unary, candidates, anchors, *args)
+        assert path.data_ptr() == block[:, 1:].data_ptr() and torch.equal(block[:, 0], anchors)
+        assert torch.equal(path, ref_path), "the walk's path"
+        tol = dict(atol=1e-5, rtol=1e-5) if fp32 else dict(atol=0.05, rtol=2 ** -7)
+        torch.testing.assert_close(scores, ref_scores, **tol)
+        assert (q is None) == (ref_q is None)
+        if q is not None:
+            torch.testing.assert_close(q, ref_q, atol=1e-6 if fp32 else 2e-2, rtol=1e-5 if fp32 else 2e-2)
+            assert torch.equal(q, torch.softmax(scores.double() / temperature.double()[:, None, None], -1)) or \
+                torch.allclose(q, torch.softmax(scores.double() / temperature.double()[:, None, None], -1),
+                               atol=1e-12, rtol=1e-12), "q is softmax(scores / T) of the scores it returns"
+    assert not torch.equal(ref_path[draw], walk_ref(sel, hidden, unary, candidates, anchors)[0][draw])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k,rank", [(16, 32), (6, 24)])
+def test_triton_selector_walk_equals_walk_ref(interpreter, dtype, k, rank):
+    """The one-launch selector walk (Triton's interpreter) against `walk_ref` slot by slot: the same path (greedy
+    rows, and rows drawing from q at keyed uniforms, mixed in one walk), written into the block's slots; scores
+    and q to rounding (bf16: the codebook product and dot rounded as torch rounds them)."""
+    sel, inputs = _walk_inputs(5, 7, k, 40, rank, 64, dtype)
+    _check_walk(sel, inputs, dtype == torch.float32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@torch.no_grad()
+def test_compiled_selector_walk_equals_walk_ref_at_qwen3_8b_shape():
+    sel, inputs = _walk_inputs(32, 15, 16, 4096, 256, 151936, torch.float32, "cuda")
+    _check_walk(sel, inputs, True)
+    sel, inputs = _walk_inputs(8, 15, 16, 4096, 256, 151936, torch.bfloat16, "cuda", seed=1)
+    hidden, unary, candidates, anchors, temperature, draw, u = inputs
+    path, scores, q = sel.walk(*inputs, backend="triton")
+    ref_path, ref_scores, ref_q = sel.walk(*inputs)  # the all-transitions torch form: the same bf16 roundings
+    torch.testing.assert_close(scores, ref_scores, atol=0.05, rtol=2 ** -7)
+    assert (path == ref_path).float().mean() > 0.95

@@ -129,15 +129,25 @@ class CandidateSelector(nn.Module):
         temperature: torch.Tensor | None = None,  # [N] the rows' temperatures (sampling rows only)
         draw: torch.Tensor | None = None,  # [N] bool: rows that draw their path from q (None: all greedy)
         uniforms: torch.Tensor | None = None,  # [N, P] float64 keyed U[0, 1), one per slot
+        backend: str = "ref",  # a KernelChoice's `fused`: 'triton' walks in one launch (`kernels/triton_walk.py`)
+        out: torch.Tensor | None = None,  # [N, P] int64 to write the path into (a view of the block: no copy)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """-> (path [N, P] token ids, scores [N, P, K] fp32 along it, q [N, P, K] float64 when `draw` is given).
 
         The predecessor of slot j is one of slot j-1's K candidates (the anchor at slot 0), so every score the
         walk can need is computed at once, [N, P, K_prev, K], and so is every choice (argmax, or the keyed draw
-        from q): the walk itself is then P gathers, each slot's choice read at its predecessor's index."""
+        from q): the walk itself is then P gathers, each slot's choice read at its predecessor's index. The
+        Triton path instead walks slot by slot inside one program per request (`walk_ref`'s order)."""
         n, p, k = candidates.shape
         # NOTE: 2-D rows: on a strided 3-D slice F.linear would read the weight once per request
         proj = self.hidden_projection(hidden.reshape(n * p, -1)).view(n, p, -1)  # [N, P, r]
+        if fused_backend(proj, backend, self.predecessor_codebook, self.successor_codebook) == "triton":
+            from dscale_runtime.kernels.triton_walk import selector_walk_triton
+
+            path = torch.empty(n, p, dtype=torch.long, device=candidates.device) if out is None else out
+            scores, q = selector_walk_triton(proj, unary, candidates, anchors, self.predecessor_codebook,
+                                             self.successor_codebook, path, temperature, draw, uniforms)
+            return path, scores, q
         prev = torch.cat([anchors[:, None, None].expand(n, 1, k), candidates[:, :-1]], dim=1)  # [N, P, K_prev]
         left = self.predecessor_codebook[prev] * proj[:, :, None, :]  # [N, P, K_prev, r]
         right = self.successor_codebook[candidates]  # [N, P, K, r]
@@ -158,6 +168,8 @@ class CandidateSelector(nn.Module):
         before = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)[..., None, None]  # [N, P, 1, 1]
         path = candidates.gather(2, chosen[..., None])[..., 0]
         along = lambda t: t.gather(2, before.expand(n, p, 1, k))[:, :, 0]  # noqa: E731 - rows at the predecessors
+        if out is not None:
+            out.copy_(path)
         return path, along(scores), along(q) if q is not None else None
 
 
@@ -211,9 +223,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         unary, candidates = self.head_logits(hidden, target).topk(self.candidate_selector.top_k, dim=-1)
         # NOTE: the logit scaling is monotone (output_multiplier > 0, tanh cap): applied to the top-k only
         unary = self.scale_logits(unary.float())
-        path, scores, q = self.candidate_selector.walk(hidden, unary, candidates, block[:, 0], temperature, draw,
-                                                       uniforms)
-        block[:, 1:] = path
+        _, scores, q = self.candidate_selector.walk(hidden, unary, candidates, block[:, 0], temperature, draw,
+                                                    uniforms, self.kernels.fused, out=block[:, 1:])
         k = candidates.shape[-1]
         policy = None if q is None else CandidatePolicy(q.reshape(n * (w - 1), k), candidates.reshape(n * (w - 1), k))
         return scores, hidden, policy
