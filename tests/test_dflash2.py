@@ -611,3 +611,44 @@ def test_compiled_selector_walk_equals_walk_ref_at_qwen3_8b_shape():
     ref_path, ref_scores, ref_q = sel.walk(*inputs)  # the all-transitions torch form: the same bf16 roundings
     torch.testing.assert_close(scores, ref_scores, atol=0.05, rtol=2 ** -7)
     assert (path == ref_path).float().mean() > 0.95
+
+
+# ---------------------------------------------------------------------------------------------- Triton top-k
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k,vocab,chunk", [(16, 300, 32), (5, 97, 16), (4, 40, 64), (3, 20, 16)])
+def test_triton_topk_equals_a_stable_sort(interpreter, dtype, k, vocab, chunk):
+    """The four-launch top-k (Triton's interpreter, small chunks so rows span many; fewer chunks than k; and the
+    one-launch form of a one-chunk vocabulary) against `candidate_topk_ref`: torch.topk's values exactly, the
+    columns of a stable descending sort exactly, on rows with many tied values (small integers), rows whose top
+    values crowd into one chunk, -inf entries, and a strided row view."""
+    from dscale_runtime.kernels.triton_topk import topk_triton
+    from dscale_runtime.models.dflash2 import candidate_topk_ref
+
+    gen = torch.Generator().manual_seed(k * vocab)
+    rows = torch.randn(6, vocab + 3, generator=gen)
+    rows[1] = torch.randint(-3, 3, (vocab + 3,), generator=gen).float()  # ties everywhere
+    rows[2, : vocab // 2] = float("-inf")
+    rows[3, 5 : 5 + k] += 10.0  # the whole top-k inside one chunk
+    rows[4] = 1.0  # one value: the k lowest columns
+    logits = rows.to(dtype)[:, :vocab]  # NOTE: a strided view (row stride vocab + 3)
+    values, columns = topk_triton(logits, k, chunk=chunk)
+    want_values, want_columns = candidate_topk_ref(logits, k)
+    assert torch.equal(values, logits.float().topk(k, dim=-1).values)
+    assert torch.equal(values, want_values) and torch.equal(columns, want_columns)
+    assert torch.equal(columns[4], torch.arange(k)) and (columns[3] >= 5).all() and (columns[3] < 5 + k).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_topk_equals_a_stable_sort_at_qwen3_vocabulary():
+    from dscale_runtime.kernels.triton_topk import topk_triton
+    from dscale_runtime.models.dflash2 import candidate_topk_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(480, 151936, device="cuda", generator=gen).to(dtype)
+        logits[0] = torch.randint(-2, 2, (151936,), device="cuda", generator=gen).to(dtype)  # ties
+        values, columns = topk_triton(logits, 16)
+        want_values, want_columns = candidate_topk_ref(logits, 16)
+        assert torch.equal(values, logits.topk(16, dim=-1).values.float())
+        assert torch.equal(values, want_values) and torch.equal(columns, want_columns)

@@ -32,13 +32,13 @@ _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.
 
 @triton.jit
 def _walk_kernel(proj, unary, cand, anchor, pred_cb, succ_cb, temp, draw, uni, path, scores, q, slots,
-                 path_row, uni_row, RANK: tl.constexpr, K: tl.constexpr, RB: tl.constexpr, KB: tl.constexpr,
-                 SAMPLED: tl.constexpr, DTYPE: tl.constexpr, ACCURATE: tl.constexpr):
+                 path_row, uni_row, anchor_step, RANK: tl.constexpr, K: tl.constexpr, RB: tl.constexpr,
+                 KB: tl.constexpr, SAMPLED: tl.constexpr, DTYPE: tl.constexpr, ACCURATE: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, KB)
     rs = tl.arange(0, RB)
     k_in, r_in = ks < K, rs < RANK
-    prev = tl.load(anchor + n).to(tl.int64)
+    prev = tl.load(anchor + n * anchor_step).to(tl.int64)
     if SAMPLED:
         t = tl.maximum(tl.load(temp + n).to(tl.float64), 1e-6)
         drawing = tl.load(draw + n + ks * 0) != 0  # NOTE: a vector: the interpreter masks by blocks
@@ -79,7 +79,7 @@ def selector_walk_triton(
     proj: torch.Tensor,  # [N, P, r] projected hidden states (the codebooks' dtype)
     unary: torch.Tensor,  # [N, P, K] fp32 the candidates' (scaled) logits
     candidates: torch.Tensor,  # [N, P, K] int64 token ids
-    anchors: torch.Tensor,  # [N] the blocks' slot-0 tokens
+    anchors: torch.Tensor,  # [N] the blocks' slot-0 tokens (any stride: the block's column 0)
     predecessor: torch.Tensor,  # [V, r]
     successor: torch.Tensor,  # [V, r]
     out: torch.Tensor,  # [N, P] int64 written with the path (a view of the block's slots 1.., rows strided)
@@ -98,7 +98,7 @@ def selector_walk_triton(
         raise RuntimeError("the Triton selector walk on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
     proj, unary, candidates = proj.contiguous(), unary.contiguous(), candidates.contiguous()
-    predecessor, successor, anchors = predecessor.contiguous(), successor.contiguous(), anchors.contiguous()
+    predecessor, successor = predecessor.contiguous(), successor.contiguous()
     scores = torch.empty(n, p, k, dtype=torch.float32, device=proj.device)
     sampled = draw is not None
     q = torch.empty(n, p, k, dtype=torch.float64, device=proj.device) if sampled else None
@@ -110,7 +110,8 @@ def selector_walk_triton(
     else:
         temp, flag, uni = unary, unary, unary  # NOTE: unread (SAMPLED is off)
     _walk_kernel[(n,)](proj, unary, candidates, anchors, predecessor, successor, temp, flag, uni, out, scores,
-                       scores if q is None else q, p, out.stride(0), uni.stride(0) if sampled else 0, RANK=rank, K=k,
+                       scores if q is None else q, p, out.stride(0), uni.stride(0) if sampled else 0,
+                       anchors.stride(0), RANK=rank, K=k,
                        RB=triton.next_power_of_2(rank), KB=triton.next_power_of_2(k), SAMPLED=sampled,
                        DTYPE=_TL[proj.dtype], ACCURATE=not interpreted(), num_warps=4, **_LAUNCH)
     return scores, q

@@ -62,6 +62,27 @@ def block_convolve(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, g
     return block_convolve_ref(x.view(n, w, -1), dynamic, base, group_size).view_as(x)
 
 
+def candidate_topk_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [R, V] -> their top k (values fp32, columns): a stable descending sort's first k (equal values in
+    ascending column order; -0.0 counts as +0.0). The definition the Triton top-k meets exactly."""
+    values, indices = (logits.float() + 0.0).sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], indices[:, :k]
+
+
+def candidate_topk(logits: torch.Tensor, k: int, backend: str = "ref") -> tuple[torch.Tensor, torch.Tensor]:
+    """The selector's candidates of draft logits [N, P, V] -> (values [N, P, K] fp32, token ids [N, P, K]): torch.topk
+    on the portable path (its order among equal values is its own; z-lab's is unsorted), the four-launch Triton
+    top-k (`kernels/triton_topk.py`, `candidate_topk_ref`'s order) when `backend` is 'triton'."""
+    n, p, v = logits.shape
+    if fused_backend(logits, backend) == "triton" and logits.stride(-1) == 1:
+        from dscale_runtime.kernels.triton_topk import topk_triton
+
+        values, indices = topk_triton(logits.reshape(n * p, v), k)
+        return values.view(n, p, k), indices.view(n, p, k)
+    values, indices = logits.topk(k, dim=-1)
+    return values.float(), indices
+
+
 class GroupedDynamicCausalConv(nn.Module):
     """The pair of convolutions around one sub-layer (z-lab names: `base_kernel` [2, taps, d] for the prepare and
     finish sides, `kernel_projection` d -> 2 x taps x groups dynamic taps, projected from the sub-layer's input)."""
@@ -220,9 +241,10 @@ class DFlash2DraftModel(DFlashDraftModel):
         [N, W-1, d], the sparse draft policy q over the candidates, rows n * (W-1) + j - 1, when `draw`)."""
         n, w = block.shape
         hidden = self(target.embed(block.view(-1)), meta, caches).view(n, w, -1)[:, 1:]
-        unary, candidates = self.head_logits(hidden, target).topk(self.candidate_selector.top_k, dim=-1)
+        unary, candidates = candidate_topk(self.head_logits(hidden, target), self.candidate_selector.top_k,
+                                           self.kernels.fused)
         # NOTE: the logit scaling is monotone (output_multiplier > 0, tanh cap): applied to the top-k only
-        unary = self.scale_logits(unary.float())
+        unary = self.scale_logits(unary)
         _, scores, q = self.candidate_selector.walk(hidden, unary, candidates, block[:, 0], temperature, draw,
                                                     uniforms, self.kernels.fused, out=block[:, 1:])
         k = candidates.shape[-1]
