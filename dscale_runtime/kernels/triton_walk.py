@@ -32,7 +32,7 @@ _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.
 
 @triton.jit
 def _walk_kernel(proj, unary, cand, anchor, pred_cb, succ_cb, temp, draw, uni, path, scores, q, slots,
-                 path_row, uni_row, anchor_step, RANK: tl.constexpr, K: tl.constexpr, RB: tl.constexpr,
+                 path_row, uni_row, uni_col, anchor_step, RANK: tl.constexpr, K: tl.constexpr, RB: tl.constexpr,
                  KB: tl.constexpr, SAMPLED: tl.constexpr, DTYPE: tl.constexpr, ACCURATE: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, KB)
@@ -66,7 +66,7 @@ def _walk_kernel(proj, unary, cand, anchor, pred_cb, succ_cb, temp, draw, uni, p
             tl.store(q + row * K + ks, w, mask=k_in)
             cdf = tl.cumsum(w, 0)
             total = tl.max(tl.where(k_in, cdf, 0.0), 0)
-            value = tl.load(uni + n * uni_row + j + ks * 0).to(tl.float64) * total  # [KB], all equal
+            value = tl.load(uni + n * uni_row + j * uni_col + ks * 0).to(tl.float64) * total  # [KB], all equal
             drawn = tl.sum(tl.where(k_in & (cdf <= value), 1, 0), 0)  # searchsorted(cdf, value, right=True)
             last = tl.sum(tl.where(k_in & (cdf < total), 1, 0), 0)  # the last token of positive weight
             drawn = tl.minimum(drawn, last)
@@ -105,12 +105,11 @@ def selector_walk_triton(
     if n == 0:
         return scores, q
     if sampled:
-        assert uniforms.stride(1) == 1, "uniforms: unit stride along the slots"
         temp, flag, uni = temperature.contiguous(), draw.contiguous(), uniforms
     else:
         temp, flag, uni = unary, unary, unary  # NOTE: unread (SAMPLED is off)
     _walk_kernel[(n,)](proj, unary, candidates, anchors, predecessor, successor, temp, flag, uni, out, scores,
-                       scores if q is None else q, p, out.stride(0), uni.stride(0) if sampled else 0,
+                       scores if q is None else q, p, out.stride(0), *(uni.stride() if sampled else (0, 0)),
                        anchors.stride(0), RANK=rank, K=k,
                        RB=triton.next_power_of_2(rank), KB=triton.next_power_of_2(k), SAMPLED=sampled,
                        DTYPE=_TL[proj.dtype], ACCURATE=not interpreted(), num_warps=4, **_LAUNCH)

@@ -16,8 +16,10 @@ purpose DRAFT), temperature only, as z-lab's reference. Every transition's score
 requests at once (capturable), never a host loop per request (`walk_ref`: slot by slot). Its scores are what DScale's
 confidence features read here (`acceptance_features` over [N, W - 1, K]: top score, its gaps, log q(best) at
 T = 1, entropy: feature versions `dscale-features-dflash2-v1` and `-v2`, the latter with the sampling columns), and its q is the sparse draft policy of the
-sampled-drafts verification (`CandidatePolicy`). The convolutions run in one Triton launch each when the
-KernelChoice's `fused` is 'triton' (`kernels/triton_conv.py`; `block_convolve_ref` is the definition).
+sampled-drafts verification (`CandidatePolicy`). When the KernelChoice's `fused` is 'triton' the convolutions
+run in one Triton launch each (`kernels/triton_conv.py`; `block_convolve_ref` is the definition), the top-k in
+four (`kernels/triton_topk.py`: torch.topk's values, ties in column order, `candidate_topk_ref`) and the whole
+walk in one, a program per request over the slots (`kernels/triton_walk.py`; `walk_ref` is its oracle).
 """
 
 from __future__ import annotations
