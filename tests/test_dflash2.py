@@ -544,3 +544,116 @@ def test_collect_train_and_serve_over_a_dflash2_drafter(tmp_path):
                                     config=EngineConfig(mode="dscale", max_model_len=96, max_running_requests=6))
     assert engine.feature_spec.version == FEATURE_VERSION_DFLASH2
     assert [o.token_ids for o in engine.generate(heads, params)] == [o.token_ids for o in want]
+
+
+# ---------------------------------------------------------------------------------------------- Triton walk
+def _walk_inputs(n, p, k, d, rank, vocab, dtype, device="cpu", seed=0):
+    from dscale_runtime.models.dflash2 import CandidateSelector
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sel = CandidateSelector(vocab, d, rank, k).to(device)
+    with torch.no_grad():
+        for t in sel.parameters():
+            t.copy_(torch.randn(t.shape, generator=gen, device=device) * (0.3 if t.dim() == 2 and t.shape[0] == rank
+                                                                          else 1.0))
+    sel = sel.to(dtype)
+    hidden = torch.randn(n, p, d, generator=gen, device=device).to(dtype)
+    unary = torch.randn(n, p, k, generator=gen, device=device) * 2
+    candidates = torch.stack([torch.randperm(vocab, generator=gen, device=device)[:k]
+                              for _ in range(n * p)]).view(n, p, k)
+    anchors = torch.randint(0, vocab, (n,), generator=gen, device=device)
+    temperature = (torch.rand(n, generator=gen, device=device) * 1.5 + 0.3)
+    draw = torch.arange(n, device=device) % 3 != 2
+    u = torch.rand(p, n, generator=gen, device=device, dtype=torch.float64).t()  # NOTE: a strided view
+    return sel, (hidden, unary, candidates, anchors, temperature, draw, u)
+
+
+def _check_walk(sel, inputs, fp32):
+    hidden, unary, candidates, anchors, temperature, draw, u = inputs
+    for args in ((), (temperature, draw, u)):
+        block = torch.full((hidden.shape[0], hidden.shape[1] + 1), -1, dtype=torch.long, device=hidden.device)
+        block[:, 0] = anchors
+        path, scores, q = sel.walk(hidden, unary, candidates, block[:, 0], *args, backend="triton", out=block[:, 1:])
+        ref_path, ref_scores, ref_q = walk_ref(sel, hidden, unary, candidates, anchors, *args)
+        assert path.data_ptr() == block[:, 1:].data_ptr() and torch.equal(block[:, 0], anchors)
+        assert torch.equal(path, ref_path), "the walk's path"
+        tol = dict(atol=1e-5, rtol=1e-5) if fp32 else dict(atol=0.05, rtol=2 ** -7)
+        torch.testing.assert_close(scores, ref_scores, **tol)
+        assert (q is None) == (ref_q is None)
+        if q is not None:
+            torch.testing.assert_close(q, ref_q, atol=1e-6 if fp32 else 2e-2, rtol=1e-5 if fp32 else 2e-2)
+            assert torch.equal(q, torch.softmax(scores.double() / temperature.double()[:, None, None], -1)) or \
+                torch.allclose(q, torch.softmax(scores.double() / temperature.double()[:, None, None], -1),
+                               atol=1e-12, rtol=1e-12), "q is softmax(scores / T) of the scores it returns"
+    assert not torch.equal(ref_path[draw], walk_ref(sel, hidden, unary, candidates, anchors)[0][draw])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k,rank", [(16, 32), (6, 24)])
+def test_triton_selector_walk_equals_walk_ref(interpreter, dtype, k, rank):
+    """The one-launch selector walk (Triton's interpreter) against `walk_ref` slot by slot: the same path (greedy
+    rows, and rows drawing from q at keyed uniforms, mixed in one walk), written into the block's slots; scores
+    and q to rounding (bf16: the codebook product and dot rounded as torch rounds them)."""
+    sel, inputs = _walk_inputs(5, 7, k, 40, rank, 64, dtype)
+    _check_walk(sel, inputs, dtype == torch.float32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@torch.no_grad()
+def test_compiled_selector_walk_equals_walk_ref_at_qwen3_8b_shape():
+    sel, inputs = _walk_inputs(32, 15, 16, 4096, 256, 151936, torch.float32, "cuda")
+    _check_walk(sel, inputs, True)
+    # bf16: the dot's sum order may move a score by one ulp, so check the path against its own scores (exact)
+    # and the scores against torch's along that path's predecessors (to one bf16 ulp)
+    sel, inputs = _walk_inputs(8, 15, 16, 4096, 256, 151936, torch.bfloat16, "cuda", seed=1)
+    hidden, unary, candidates, anchors, temperature, draw, u = inputs
+    path, scores, q = sel.walk(hidden, unary, candidates, anchors, backend="triton")
+    assert q is None and torch.equal(path, candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0])
+    prev = torch.cat([anchors[:, None], path[:, :-1]], dim=1)  # [N, P]
+    proj = sel.hidden_projection(hidden.reshape(-1, hidden.shape[-1])).view(*prev.shape, -1)
+    left = sel.predecessor_codebook[prev] * proj  # [N, P, r]
+    want = unary + (sel.successor_codebook[candidates] @ left[..., None])[..., 0].float()
+    torch.testing.assert_close(scores, want, atol=0.05, rtol=2 ** -7)
+
+
+# ---------------------------------------------------------------------------------------------- Triton top-k
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k,vocab,chunk", [(16, 300, 32), (5, 97, 16), (4, 40, 64), (3, 20, 16)])
+def test_triton_topk_equals_a_stable_sort(interpreter, dtype, k, vocab, chunk):
+    """The four-launch top-k (Triton's interpreter, small chunks so rows span many; fewer chunks than k; and the
+    one-launch form of a one-chunk vocabulary) against `candidate_topk_ref`: torch.topk's values exactly, the
+    columns of a stable descending sort exactly, on rows with many tied values (small integers), rows whose top
+    values crowd into one chunk, -inf entries, and a strided row view."""
+    from dscale_runtime.kernels.triton_topk import topk_triton
+    from dscale_runtime.models.dflash2 import candidate_topk_ref
+
+    gen = torch.Generator().manual_seed(k * vocab)
+    rows = torch.randn(6, vocab + 3, generator=gen)
+    rows[1] = torch.randint(-3, 3, (vocab + 3,), generator=gen).float()  # ties everywhere
+    rows[2, : vocab // 2] = float("-inf")
+    rows[3, 5 : 5 + k] += 10.0  # the whole top-k inside one chunk
+    rows[4] = 1.0  # one value: the k lowest columns
+    logits = rows.to(dtype)[:, :vocab]  # NOTE: a strided view (row stride vocab + 3)
+    values, columns = topk_triton(logits, k, chunk=chunk)
+    want_values, want_columns = candidate_topk_ref(logits, k)
+    assert torch.equal(values, logits.float().topk(k, dim=-1).values)
+    assert torch.equal(values, want_values) and torch.equal(columns, want_columns)
+    assert torch.equal(columns[4], torch.arange(k)) and (columns[3] >= 5).all() and (columns[3] < 5 + k).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_topk_equals_a_stable_sort_at_qwen3_vocabulary():
+    from dscale_runtime.kernels.triton_topk import topk_triton
+    from dscale_runtime.models.dflash2 import candidate_topk_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(480, 151936, device="cuda", generator=gen).to(dtype)
+        logits[0] = torch.randint(-2, 2, (151936,), device="cuda", generator=gen).to(dtype)  # ties
+        values, columns = topk_triton(logits, 16)
+        want_values, want_columns = candidate_topk_ref(logits, 16)
+        assert torch.equal(values, logits.topk(16, dim=-1).values.float())
+        assert torch.equal(values, want_values) and torch.equal(columns, want_columns)
