@@ -362,7 +362,7 @@ def test_captured_dflash2_steps_equal_eager_steps(tmp_path, mode):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 15, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (12,))]
     points = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)]
-    params = [SamplingParams(temperature=points[i % 3][0], top_p=points[i % 3][1], max_tokens=40, ignore_eos=True,
+    params = [SamplingParams(temperature=points[i % 3][0], top_p=points[i % 3][1], max_tokens=28, ignore_eos=True,
                              seed=i) for i in range(len(prompts))]
     tokens = {}
     for graphs in (False, True):
