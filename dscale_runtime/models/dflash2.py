@@ -16,10 +16,8 @@ purpose DRAFT), temperature only, as z-lab's reference. Every transition's score
 requests at once (capturable), never a host loop per request (`walk_ref`: slot by slot). Its scores are what DScale's
 confidence features read here (`acceptance_features` over [N, W - 1, K]: top score, its gaps, log q(best) at
 T = 1, entropy: feature versions `dscale-features-dflash2-v1` and `-v2`, the latter with the sampling columns), and its q is the sparse draft policy of the
-sampled-drafts verification (`CandidatePolicy`). When the KernelChoice's `fused` is 'triton' the convolutions
-run in one Triton launch each (`kernels/triton_conv.py`; `block_convolve_ref` is the definition), the top-k in
-four (`kernels/triton_topk.py`: torch.topk's values, ties in column order, `candidate_topk_ref`) and the whole
-walk in one, a program per request over the slots (`kernels/triton_walk.py`; `walk_ref` is its oracle).
+sampled-drafts verification (`CandidatePolicy`). The convolutions run in one Triton launch each when the
+KernelChoice's `fused` is 'triton' (`kernels/triton_conv.py`; `block_convolve_ref` is the definition).
 """
 
 from __future__ import annotations
@@ -62,27 +60,6 @@ def block_convolve(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, g
         return block_convolve_triton(x, dynamic, base.contiguous(), group_size)
     n, w = dynamic.shape[:2]
     return block_convolve_ref(x.view(n, w, -1), dynamic, base, group_size).view_as(x)
-
-
-def candidate_topk_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows [R, V] -> their top k (values fp32, columns): a stable descending sort's first k (equal values in
-    ascending column order; -0.0 counts as +0.0). The definition the Triton top-k meets exactly."""
-    values, indices = (logits.float() + 0.0).sort(dim=-1, descending=True, stable=True)
-    return values[:, :k], indices[:, :k]
-
-
-def candidate_topk(logits: torch.Tensor, k: int, backend: str = "ref") -> tuple[torch.Tensor, torch.Tensor]:
-    """The selector's candidates of draft logits [N, P, V] -> (values [N, P, K] fp32, token ids [N, P, K]): torch.topk
-    on the portable path (its order among equal values is its own; z-lab's is unsorted), the four-launch Triton
-    top-k (`kernels/triton_topk.py`, `candidate_topk_ref`'s order) when `backend` is 'triton'."""
-    n, p, v = logits.shape
-    if fused_backend(logits, backend) == "triton" and logits.stride(-1) == 1:
-        from dscale_runtime.kernels.triton_topk import topk_triton
-
-        values, indices = topk_triton(logits.reshape(n * p, v), k)
-        return values.view(n, p, k), indices.view(n, p, k)
-    values, indices = logits.topk(k, dim=-1)
-    return values.float(), indices
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -152,25 +129,15 @@ class CandidateSelector(nn.Module):
         temperature: torch.Tensor | None = None,  # [N] the rows' temperatures (sampling rows only)
         draw: torch.Tensor | None = None,  # [N] bool: rows that draw their path from q (None: all greedy)
         uniforms: torch.Tensor | None = None,  # [N, P] float64 keyed U[0, 1), one per slot
-        backend: str = "ref",  # a KernelChoice's `fused`: 'triton' walks in one launch (`kernels/triton_walk.py`)
-        out: torch.Tensor | None = None,  # [N, P] int64 to write the path into (a view of the block: no copy)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """-> (path [N, P] token ids, scores [N, P, K] fp32 along it, q [N, P, K] float64 when `draw` is given).
 
         The predecessor of slot j is one of slot j-1's K candidates (the anchor at slot 0), so every score the
         walk can need is computed at once, [N, P, K_prev, K], and so is every choice (argmax, or the keyed draw
-        from q): the walk itself is then P gathers, each slot's choice read at its predecessor's index. The
-        Triton path instead walks slot by slot inside one program per request (`walk_ref`'s order)."""
+        from q): the walk itself is then P gathers, each slot's choice read at its predecessor's index."""
         n, p, k = candidates.shape
         # NOTE: 2-D rows: on a strided 3-D slice F.linear would read the weight once per request
         proj = self.hidden_projection(hidden.reshape(n * p, -1)).view(n, p, -1)  # [N, P, r]
-        if fused_backend(proj, backend, self.predecessor_codebook, self.successor_codebook) == "triton":
-            from dscale_runtime.kernels.triton_walk import selector_walk_triton
-
-            path = torch.empty(n, p, dtype=torch.long, device=candidates.device) if out is None else out
-            scores, q = selector_walk_triton(proj, unary, candidates, anchors, self.predecessor_codebook,
-                                             self.successor_codebook, path, temperature, draw, uniforms)
-            return path, scores, q
         prev = torch.cat([anchors[:, None, None].expand(n, 1, k), candidates[:, :-1]], dim=1)  # [N, P, K_prev]
         left = self.predecessor_codebook[prev] * proj[:, :, None, :]  # [N, P, K_prev, r]
         right = self.successor_codebook[candidates]  # [N, P, K, r]
@@ -191,8 +158,6 @@ class CandidateSelector(nn.Module):
         before = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)[..., None, None]  # [N, P, 1, 1]
         path = candidates.gather(2, chosen[..., None])[..., 0]
         along = lambda t: t.gather(2, before.expand(n, p, 1, k))[:, :, 0]  # noqa: E731 - rows at the predecessors
-        if out is not None:
-            out.copy_(path)
         return path, along(scores), along(q) if q is not None else None
 
 
@@ -243,12 +208,12 @@ class DFlash2DraftModel(DFlashDraftModel):
         [N, W-1, d], the sparse draft policy q over the candidates, rows n * (W-1) + j - 1, when `draw`)."""
         n, w = block.shape
         hidden = self(target.embed(block.view(-1)), meta, caches).view(n, w, -1)[:, 1:]
-        unary, candidates = candidate_topk(self.head_logits(hidden, target), self.candidate_selector.top_k,
-                                           self.kernels.fused)
+        unary, candidates = self.head_logits(hidden, target).topk(self.candidate_selector.top_k, dim=-1)
         # NOTE: the logit scaling is monotone (output_multiplier > 0, tanh cap): applied to the top-k only
-        unary = self.scale_logits(unary)
-        _, scores, q = self.candidate_selector.walk(hidden, unary, candidates, block[:, 0], temperature, draw,
-                                                    uniforms, self.kernels.fused, out=block[:, 1:])
+        unary = self.scale_logits(unary.float())
+        path, scores, q = self.candidate_selector.walk(hidden, unary, candidates, block[:, 0], temperature, draw,
+                                                       uniforms)
+        block[:, 1:] = path
         k = candidates.shape[-1]
         policy = None if q is None else CandidatePolicy(q.reshape(n * (w - 1), k), candidates.reshape(n * (w - 1), k))
         return scores, hidden, policy
