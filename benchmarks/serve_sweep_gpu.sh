@@ -2,6 +2,7 @@
 # dscale-serve on the demo pair, measured by dscale-bench, as users run it (issues 24 and 25): one server per
 # configuration below, each swept by dscale-bench --url over concurrency 1, 8, 32 at three sampling points
 # (greedy; T = 1; T = 0.7 / top_p 0.8), one pass of >= MIN_S seconds per point after 8 warm-up requests.
+# Server flags in CONFIGS reach dscale-serve as written (e.g. --switch-interval-ms 5 for CPython's default).
 # Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S)
 # Writes OUT_DIR/<config>/<point>/bench.{json,csv} and server logs; then prints one table of every point
 # (benchmarks/serve_sweep_summary.py, also written to OUT_DIR/summary.json).
@@ -20,20 +21,31 @@ points=${POINTS:-"greedy:--temperature 0;t1:--temperature 1;t07p08:--temperature
 running=$(tr ',' '\n' <<<"$concurrency" | sort -n | tail -1)
 IFS=';' read -ra config_list <<<"$configs"
 IFS=';' read -ra point_list <<<"$points"
+# Every server starts at once (their start-ups, graph capture and timing, overlap); once all are up, each is
+# swept alone while the others wait idle, and stopped after its sweep.
+declare -A ports pids starts
 for entry in "${config_list[@]}"; do
   name=${entry%%:*} flags=${entry#*:}
-  port=$(python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  ports[$name]=$(python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   mkdir -p "$out/$name"
   # shellcheck disable=SC2086
-  python -m dscale_runtime.server.main $flags --device "$device" --port "$port" --max-running-requests "$running" \
-    --log-level info >"$out/$name/server.log" 2>&1 &
-  pid=$!
-  start=$(date +%s.%N)
+  python -m dscale_runtime.server.main $flags --device "$device" --port "${ports[$name]}" \
+    --max-running-requests "$running" --log-level info >"$out/$name/server.log" 2>&1 &
+  pids[$name]=$! starts[$name]=$(date +%s.%N)
+done
+declare -A up
+for entry in "${config_list[@]}"; do  # every server up (or dead) before any is measured: no start-up beside a sweep
+  name=${entry%%:*} flags=${entry#*:} port=${ports[$name]} pid=${pids[$name]}
   until python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=5).status_code != 200)" 2>/dev/null; do
     if ! kill -0 "$pid" 2>/dev/null; then echo "server $name exited:"; tail -30 "$out/$name/server.log"; continue 2; fi
     sleep 0.5
   done
-  echo "[sweep] $name ($flags) up in $(python -c "print(round($(date +%s.%N) - $start, 1))") s"
+  up[$name]=1
+  echo "[sweep] $name ($flags) up $(python -c "print(round($(date +%s.%N) - ${starts[$name]}, 1))") s after its start"
+done
+for entry in "${config_list[@]}"; do
+  name=${entry%%:*} port=${ports[$name]} pid=${pids[$name]}
+  [ -n "${up[$name]:-}" ] || continue
   for p in "${point_list[@]}"; do
     pname=${p%%:*} pflags=${p#*:}
     # shellcheck disable=SC2086

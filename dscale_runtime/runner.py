@@ -459,6 +459,24 @@ class StepResult:
     conditionals: np.ndarray | None = None  # [n, W-1] DScale steps: the predictor's raw conditionals (15-bit)
     waited_ms: float = field(default=0.0, compare=False)  # host time blocked on the device for this step's results
 
+    def __eq__(self, other) -> bool:
+        """Field by field, arrays and tensors element by element (exactly): the generated `__eq__` would ask an
+        array for one truth value and raise."""
+        if not isinstance(other, StepResult):
+            return NotImplemented
+        for f in dataclasses.fields(self):
+            if not f.compare:
+                continue
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, (np.ndarray, torch.Tensor)) or isinstance(b, (np.ndarray, torch.Tensor)):
+                if a is None or b is None or type(a) is not type(b) or tuple(a.shape) != tuple(b.shape):
+                    return False
+                if not bool((a == b).all()):
+                    return False
+            elif a != b:
+                return False
+        return True
+
 
 class StepRunner:
     """Owns every decode step of one engine: buckets, their buffers and steps, capture, replay, host reads."""

@@ -351,3 +351,24 @@ def test_captured_sampling_has_the_target_distribution(tmp_path, mode, rule, rat
     counts = collections.Counter(tuple(o.token_ids) for o in engine.generate([PROMPT] * 3000, params))
     assert engine.counters.accepted_drafts > 300
     assert goodness_of_fit(counts, exact) > 1e-3
+
+
+def test_step_results_compare_arrays_element_by_element():
+    """Graph replay == eager compares whole `StepResult`s; DScale steps carry arrays (conditionals), which the
+    generated dataclass `__eq__` cannot compare. Timings never count."""
+    import numpy as np
+
+    from dscale_runtime.runner import StepResult
+
+    def result(conditionals=None, features=None, device_ms=1.0):
+        return StepResult([1, 0], [5, 6], [3, 2], None, [[1, 2], [3, 4]], 5, features, device_ms, conditionals)
+
+    cond = np.array([[0.5, 0.25], [1.0, 0.0]])
+    assert result(cond.copy(), device_ms=1.0) == result(cond.copy(), device_ms=2.0)
+    assert result(cond) != result(cond + np.array([[0.0, 2.0 ** -15], [0.0, 0.0]]))
+    assert result(cond) != result(None) and result(None) != result(cond) and result(None) == result(None)
+    assert result(cond) != result(cond[:1])
+    feats = torch.ones(2, 3)
+    assert result(features=feats) == result(features=feats.clone())
+    assert result(features=feats) != result(features=feats * 2) and result(features=feats) != result()
+    assert result() != "a result"

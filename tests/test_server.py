@@ -380,13 +380,53 @@ def test_cli_flags():
             cfg.timeout_keep_alive) == (True, True, 0.5, 3.0, 2)
     defaults = parse_config(ServeConfig, "dscale-serve", [])
     assert not defaults.trust_request_chat_template and not defaults.enable_docs
-    for bad in (["--template-timeout", "0"], ["--api-key", ""], ["--header-timeout", "nan"]):
+    assert defaults.switch_interval_ms == 1.0
+    for bad in (["--template-timeout", "0"], ["--api-key", ""], ["--header-timeout", "nan"],
+                ["--switch-interval-ms", "0"]):
         with pytest.raises(SystemExit):
             parse_config(ServeConfig, "dscale-serve", bad)
     assert cfg.predictor_path is None and cfg.drafter_path == DEMO_DRAFTER
     assert parse_config(ServeConfig, "dscale-serve", []).predictor_path == DEMO_PREDICTOR
     with pytest.raises(SystemExit):
         parse_config(ServeConfig, "dscale-serve", ["--mode", "fast"])
+
+
+def test_engine_thread_events_reach_each_request_in_order_with_one_wake_up():
+    """The engine thread's Outbox: each request's events in the order they were put, one loop call per flush
+    (however many requests), and one request's failing `on_done` costs no other request its events."""
+    from dscale_runtime.server.worker import Aborted, Delta, Outbox, Submission
+
+    loop = asyncio.new_event_loop()
+    try:
+        def boom():
+            raise RuntimeError("on_done failed")
+
+        subs = [Submission(f"r{i}", [1], SamplingParams(max_tokens=4), True, asyncio.Queue(), loop,
+                           boom if i == 0 else None) for i in range(3)]
+        calls = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+        box = Outbox()
+        for k in range(3):
+            for sub in subs:
+                box.put(sub, Delta(f"{sub.request_id}-{k}", k + 1))
+        box.put(subs[0], Aborted())  # terminal: its on_done raises
+        box.put(subs[1], Delta("r1-last", 4))
+        thread = threading.Thread(target=box.flush)
+        thread.start()
+        thread.join()
+        box.flush()  # nothing left: no call
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(calls) == 1
+        got = {sub.request_id: [] for sub in subs}
+        for sub in subs:
+            while not sub.events.empty():
+                event = sub.events.get_nowait()
+                got[sub.request_id].append(event.text if isinstance(event, Delta) else type(event).__name__)
+        assert got == {"r0": ["r0-0", "r0-1", "r0-2", "Aborted"], "r1": ["r1-0", "r1-1", "r1-2", "r1-last"],
+                       "r2": ["r2-0", "r2-1", "r2-2"]}
+    finally:
+        loop.close()
 
 
 def test_engine_options_from_flags():

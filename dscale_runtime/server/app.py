@@ -336,23 +336,34 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
         try:
             if chat:
                 yield event(protocol.chat_chunk(sub.request_id, state.model, {"role": "assistant", "content": ""}))
-            while True:
-                item = await sub.events.get()
-                if isinstance(item, Delta):
-                    if item.text:
-                        yield chunk(item.text)
-                elif isinstance(item, Finished):
-                    done = True
-                    yield chunk(item.text, item.output.finish_reason)
+            first_text = True
+            while not done:
+                # NOTE: everything queued for this request goes out in one write: deltas that piled up while the
+                # loop was busy become one chunk, so a loop behind the engine catches up instead of falling
+                # further behind (a write is a trip through the GIL that the engine thread holds)
+                items = [await sub.events.get()]
+                while not sub.events.empty():
+                    items.append(sub.events.get_nowait())
+                text = "".join(item.text for item in items if isinstance(item, Delta))
+                terminal = next((item for item in items if not isinstance(item, Delta)), None)
+                out = []
+                if isinstance(terminal, Finished):
+                    out.append(chunk(text + terminal.text, terminal.output.finish_reason))
                     if include_usage:
-                        yield event(protocol.usage_chunk(sub.request_id, state.model, chat, item.output))
-                    break
-                elif isinstance(item, Rejected):
+                        out.append(event(protocol.usage_chunk(sub.request_id, state.model, chat, terminal.output)))
+                elif text:
+                    out.append(chunk(text))
+                if isinstance(terminal, Rejected):
+                    state.http_errors[terminal.status] += 1
+                    out.append(f"data: {json.dumps(ApiError(terminal.status, terminal.message).body())}\n\n")
+                if terminal is not None:
                     done = True
-                    state.http_errors[item.status] += 1
-                    yield f"data: {json.dumps(ApiError(item.status, item.message).body())}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
+                    out.append("data: [DONE]\n\n")
+                if out:
+                    if first_text and (text or isinstance(terminal, Finished)):
+                        first_text = False
+                        state.metrics.first_chunk.observe(time.perf_counter() - sub.arrival)
+                    yield "".join(out)
         finally:
             watcher.cancel()
             if not done:

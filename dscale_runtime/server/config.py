@@ -103,6 +103,11 @@ class ServeConfig:
     """Seconds an idle keep-alive connection stays open (uvicorn's --timeout-keep-alive)."""
     header_timeout: float = 10.0
     """Seconds a connection may take to send a request's line and headers before it is closed."""
+    switch_interval_ms: float = 1.0
+    """Python's thread switch interval in this process (sys.setswitchinterval, CPython's default 5 ms): how long
+    the busy engine thread may keep the GIL while the HTTP loop waits for it. The loop gives the GIL up at every
+    socket read and write, so each of its trips costs up to this long while the engine thread runs; 5 ms starves
+    it at high concurrency (measured: benchmarks/serve_frontend.py, docs/benchmarks.md)."""
     served_model_name: str | None = None
     """Model name in the API; default: the target folder's name."""
     max_request_bytes: int = 1 << 20
@@ -160,7 +165,8 @@ class ServeConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         for flag, value in (("--template-timeout", self.template_timeout), ("--max-prompt-chars", self.max_prompt_chars),
-                            ("--timeout-keep-alive", self.timeout_keep_alive), ("--header-timeout", self.header_timeout)):
+                            ("--timeout-keep-alive", self.timeout_keep_alive), ("--header-timeout", self.header_timeout),
+                            ("--switch-interval-ms", self.switch_interval_ms)):
             if not value > 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
         if self.api_key is not None and not self.api_key:

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     # collector's full passes while serving no longer walk them, which shortens the pauses a request can meet
     gc.collect()
     gc.freeze()
+    sys.setswitchinterval(config.switch_interval_ms / 1000)
     uvicorn.Server(uvicorn_config(app, config, config.log_level)).run()
 
 

@@ -30,6 +30,10 @@ class ServerMetrics:
 
         self.ttft = histogram("dscale_time_to_first_token_seconds",
                               "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
+        self.first_chunk = histogram("dscale_time_to_first_chunk_seconds",
+                                     "Time from a streaming request's arrival to the server writing its first "
+                                     "text chunk (the TTFT histogram's end is the engine thread's first token).",
+                                     TTFT_BUCKETS)
         self.tpot = histogram("dscale_time_per_output_token_seconds",
                               "Per request: (finish - first token) / (generated tokens - 1).", TPOT_BUCKETS)
         self.e2e = histogram("dscale_e2e_request_latency_seconds",

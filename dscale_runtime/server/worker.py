@@ -3,8 +3,10 @@
 HTTP handlers run on the asyncio loop and talk to it through two channels:
 - in: a thread-safe inbox of `Submission`s (already tokenized and checked) and aborts, drained between engine
   steps, so new requests join the running batch at the next step (continuous batching);
-- out: per-request `asyncio.Queue`s fed with `loop.call_soon_threadsafe`: `Admitted` (or `Rejected`), then
-  `Delta`s for streaming requests, then `Finished` (or `Rejected` when a step fails, `Aborted` after an abort).
+- out: per-request `asyncio.Queue`s: `Admitted` (or `Rejected`), then `Delta`s for streaming requests, then
+  `Finished` (or `Rejected` when a step fails, `Aborted` after an abort). The events of one pass of the thread
+  (a drain of the inbox, or a step) go to the loop together, in one `loop.call_soon_threadsafe`: one wake-up
+  of the loop per step rather than one per request, each a trip through the GIL while this thread works.
 
 The thread never dies of an exception: a failing admission or detokenisation fails that request alone; a
 request the engine aborted alone (finish_reason 'error': a fault its step attributed to it) gets a 500; a
@@ -83,17 +85,42 @@ class Submission:
     arrival: float = field(default_factory=time.perf_counter)
     """perf_counter() when the HTTP request arrived (TTFT and E2E latency count from here)."""
 
-    def send(self, event) -> None:
-        """From the engine thread: hand `event` to the loop thread."""
-        try:
-            self.loop.call_soon_threadsafe(self._deliver, event)
-        except RuntimeError:  # the loop has closed (server shutdown): nobody is listening
-            pass
-
     def _deliver(self, event) -> None:
+        """On the loop thread (the engine thread hands events over through an `Outbox`)."""
         self.events.put_nowait(event)
         if isinstance(event, TERMINAL) and self.on_done is not None:
             self.on_done()
+
+
+class Outbox:
+    """Events the engine thread has produced since its last flush, handed to each loop in one call, in order."""
+
+    def __init__(self) -> None:
+        self._events: list[tuple[Submission, object]] = []
+
+    def put(self, sub: Submission, event) -> None:
+        self._events.append((sub, event))
+
+    def flush(self) -> None:
+        if not self._events:
+            return
+        events, self._events = self._events, []
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sub, event in events:
+            by_loop.setdefault(sub.loop, []).append((sub, event))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver_all, batch)
+            except RuntimeError:  # the loop has closed (server shutdown): nobody is listening
+                pass
+
+
+def _deliver_all(batch: list) -> None:
+    for sub, event in batch:
+        try:
+            sub._deliver(event)
+        except Exception:  # NOTE: one request's delivery (its on_done) must not cost the others theirs
+            log.exception("request %s: delivering an event failed", sub.request_id)
 
 
 @dataclass
@@ -120,6 +147,7 @@ class EngineWorker:
         self.stats = WorkerStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        self._outbox = Outbox()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dscale-engine", daemon=True)
 
@@ -147,6 +175,7 @@ class EngineWorker:
         while not self._stopping.is_set():
             try:
                 self._drain(block=not self.engine.has_unfinished())
+                self._outbox.flush()  # admissions reach their handlers before the step runs
                 if self._stopping.is_set():
                     break
                 if self.engine.has_unfinished():
@@ -154,6 +183,8 @@ class EngineWorker:
             except Exception:  # NOTE: a bug of this loop's own; the thread must outlive it
                 log.exception("engine thread: unexpected error (live requests: %s)", sorted(self._live))
                 time.sleep(0.05)
+            finally:
+                self._outbox.flush()
         for request_id in list(self._live):
             self._abort(request_id)
         while True:  # requests that arrived during shutdown
@@ -162,7 +193,11 @@ class EngineWorker:
             except queue.Empty:
                 break
             if isinstance(item, Submission):
-                item.send(Rejected(503, "the server is shutting down"))
+                self._send(item, Rejected(503, "the server is shutting down"))
+        self._outbox.flush()
+
+    def _send(self, sub: Submission, event) -> None:
+        self._outbox.put(sub, event)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -181,21 +216,21 @@ class EngineWorker:
             self.engine.add_request(sub.prompt_token_ids, sub.params, sub.request_id)
             detok = IncrementalDetokenizer(self.engine.tokenizer, sub.params.stop) if sub.stream else None
         except ValueError as exc:  # the engine's checks name what is wrong with the request
-            return sub.send(Rejected(400, str(exc)))
+            return self._send(sub, Rejected(400, str(exc)))
         except Exception:
             log.exception("request %s: admission failed", sub.request_id)
             self._drop(sub.request_id)
-            return sub.send(internal_error(sub.request_id, "while admitting the request"))
+            return self._send(sub, internal_error(sub.request_id, "while admitting the request"))
         self.stats.prompt_tokens += len(sub.prompt_token_ids)
         self._live[sub.request_id] = _Live(sub, detok)
-        sub.send(Admitted(len(sub.prompt_token_ids)))
+        self._send(sub, Admitted(len(sub.prompt_token_ids)))
 
     def _abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
         if live is not None:
             self._drop(request_id)
             self.stats.finished["abort"] += 1
-            live.submission.send(Aborted())
+            self._send(live.submission, Aborted())
 
     def _drop(self, request_id: str) -> None:
         """Remove a request from the engine, whatever state it is in."""
@@ -210,7 +245,7 @@ class EngineWorker:
         self._drop(request_id)
         self.stats.finished["error"] += 1
         if live is not None:
-            live.submission.send(internal_error(request_id, what))
+            self._send(live.submission, internal_error(request_id, what))
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -259,13 +294,15 @@ class EngineWorker:
         if new:
             if live.first_token_at is None:
                 live.first_token_at = now
-            live.submission.send(Delta(detok.add(new), len(detok.token_ids)))
+            text = detok.add(new)
+            if text:  # text held back (a partial character, a possible stop string) comes with a later delta
+                self._send(live.submission, Delta(text, len(detok.token_ids)))
 
     def _finish(self, live: _Live, out: RequestOutput, now: float) -> None:
         sub = live.submission
         if out.finish_reason == "error":  # the engine aborted this request alone (its log names it)
             self.stats.finished["error"] += 1
-            return sub.send(internal_error(sub.request_id, "in the engine step"))
+            return self._send(sub, internal_error(sub.request_id, "in the engine step"))
         try:
             text = out.text or ""
             if live.detokenizer is not None:
@@ -274,7 +311,7 @@ class EngineWorker:
         except Exception:
             log.exception("request %s: detokenizing the answer failed", sub.request_id)
             self.stats.finished["error"] += 1
-            return sub.send(internal_error(sub.request_id, "while detokenizing the answer"))
+            return self._send(sub, internal_error(sub.request_id, "while detokenizing the answer"))
         self.stats.finished[out.finish_reason] = self.stats.finished.get(out.finish_reason, 0) + 1
         e2e = now - sub.arrival
         if self.metrics is not None and out.token_ids:
@@ -283,4 +320,4 @@ class EngineWorker:
             self.metrics.e2e.observe(e2e)
             if len(out.token_ids) > 1:
                 self.metrics.tpot.observe((now - first) / (len(out.token_ids) - 1))
-        sub.send(Finished(out, text, e2e))
+        self._send(sub, Finished(out, text, e2e))
