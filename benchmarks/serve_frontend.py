@@ -17,6 +17,7 @@ beside the client's, so the two ends of the gap are visible.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import subprocess
@@ -134,6 +135,11 @@ class StandInEngine:
         return finished
 
 
+def stand_in(tokenizer_path: str, host_ms: float, device_ms: float, max_running: int, config=None) -> StandInEngine:
+    """The stand-in engine (a module-level function: the engine process builds it from its pickle)."""
+    return StandInEngine(load_tokenizer(Path(tokenizer_path)), host_ms, device_ms, max_running)
+
+
 def server_histogram(url: str, name: str = "dscale_time_to_first_token_seconds") -> dict:
     """One of the server's histograms: cumulative counts by upper bound ('le')."""
     import httpx
@@ -163,6 +169,8 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=1)
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="the server process's thread switch interval (default: dscale-serve's --switch-interval-ms)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="the stand-in engine in a process of its own (dscale-serve --engine-process)")
     parser.add_argument("--out", default="runs/frontend")
     args = parser.parse_args()
 
@@ -175,11 +183,19 @@ def main() -> None:
     sys.setswitchinterval(args.switch_interval_ms / 1000)  # as dscale-serve does at start-up
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(DEMO_TARGET)
-    engine = StandInEngine(tokenizer, args.host_ms, args.device_ms, max(args.concurrency))
-    config = ServeConfig(port=0, served_model_name="stand-in", max_running_requests=max(args.concurrency))
+    config = ServeConfig(port=0, served_model_name="stand-in", max_running_requests=max(args.concurrency),
+                         switch_interval_ms=args.switch_interval_ms)
+    factory = functools.partial(stand_in, str(DEMO_TARGET), args.host_ms, args.device_ms, max(args.concurrency))
+    worker = None
+    if args.engine_process:
+        from dscale_runtime.server.engine_process import EngineProcessClient
+
+        worker = EngineProcessClient(config, factory)
+        engine = worker.start_process(load_tokenizer(DEMO_TARGET))
+    else:
+        engine = factory()
     results = {"args": vars(args), "points": []}
-    with BackgroundServer(engine, config) as server:
+    with BackgroundServer(engine, config, worker) as server:
         for c in args.concurrency:
             before = [server_histogram(server.url, name) for name in HISTOGRAMS]
             bench_out = out / f"c{c}"

@@ -50,12 +50,14 @@ the strict parse. Any other value is refused, naming the field."""
 class ServerState:
     """Loop-thread state: the worker, the request count the queue limit reads, error counts."""
 
-    def __init__(self, engine, config: ServeConfig) -> None:
+    def __init__(self, engine, config: ServeConfig, worker=None) -> None:
         self.config = config
         self.engine = engine
         self.model = config.model_name
         self.metrics = ServerMetrics(self, self.model, engine.block_size, engine.config.max_running_requests)
-        self.worker = EngineWorker(engine, self.metrics)
+        self.worker = worker if worker is not None else EngineWorker(engine, self.metrics)
+        """The engine thread of this process, or the client of an engine process (`engine_process.py`)."""
+        self.worker.metrics = self.metrics
         self.prompts = PromptBuilder(engine.tokenizer, timeout=config.template_timeout,
                                      max_chars=config.max_prompt_chars)
         self.limits = protocol.Limits(engine.target.config.vocab_size, engine.config.max_model_len)
@@ -116,12 +118,14 @@ class EdgeMiddleware:
                             status_code=401)
 
 
-def build_app(engine, config: ServeConfig) -> FastAPI:
-    """The server app around `engine` (started and stopped with the app's lifespan)."""
+def build_app(engine, config: ServeConfig, worker=None) -> FastAPI:
+    """The server app around `engine` (started and stopped with the app's lifespan); `worker`: an
+    `engine_process.EngineProcessClient` when the engine runs in a process of its own (`engine` is then its
+    `EngineProxy`), else the app runs an `EngineWorker` thread here."""
     if engine.tokenizer is None:
         raise ValueError(f"{config.target_path}: the target folder has no tokenizer; dscale-serve needs one "
                          "(tokenizer.json / tokenizer_config.json)")
-    state = ServerState(engine, config)
+    state = ServerState(engine, config, worker)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -187,6 +191,7 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
     async def get_metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        await state.worker.refresh()
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server_info")
@@ -199,11 +204,13 @@ def build_app(engine, config: ServeConfig) -> FastAPI:
 
     @app.get("/model_info")
     async def model_info():
-        return {"is_generation": True, "model_type": "qwen3", "architectures": [type(engine.target).__name__]}
+        architecture = getattr(engine, "target_architecture", None) or type(engine.target).__name__
+        return {"is_generation": True, "model_type": "qwen3", "architectures": [architecture]}
 
     @app.get("/get_load")
     async def get_load():
         """SGLang's load report (one entry per data-parallel rank; one here); power_of_two routing reads it."""
+        await state.worker.refresh()
         allocator = engine.allocator
         used_tokens = allocator.page_size * (allocator.num_pages - 1 - allocator.num_free)
         return [{"dp_rank": 0, "num_reqs": engine.num_running + engine.num_waiting,

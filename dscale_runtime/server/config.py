@@ -103,6 +103,10 @@ class ServeConfig:
     """Seconds an idle keep-alive connection stays open (uvicorn's --timeout-keep-alive)."""
     header_timeout: float = 10.0
     """Seconds a connection may take to send a request's line and headers before it is closed."""
+    engine_process: bool = False
+    """Run the engine in a process of its own, joined to this HTTP process by a pipe (vLLM's API-server /
+    engine-core split), so HTTP, tokenising and SSE never take the GIL from the decode loop; false: the engine
+    runs in a thread of this process."""
     switch_interval_ms: float = 1.0
     """Python's thread switch interval in this process (sys.setswitchinterval, CPython's default 5 ms): how long
     the busy engine thread may keep the GIL while the HTTP loop waits for it. The loop gives the GIL up at every

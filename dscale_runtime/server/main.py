@@ -41,6 +41,30 @@ def load_engine(config: ServeConfig, engine_cls=None):
                                                   config=engine_config)
 
 
+def engine_process_app(config: ServeConfig):
+    """The app with its engine in a child process (`--engine-process`): paths checked, the tokenizer loaded
+    here, the engine loaded there (this waits for it)."""
+    from dscale_runtime.models.loader import load_tokenizer
+    from dscale_runtime.server.app import build_app
+    from dscale_runtime.server.engine_process import EngineProcessClient
+
+    paths = {"--target": config.target_path, "--drafter": config.drafter_path, "--predictor": config.predictor_path}
+    for flag, path in paths.items():
+        if path is not None and not path.exists():
+            raise FileNotFoundError(f"{path}: not found (dscale-serve {flag} PATH)")
+    tokenizer = load_tokenizer(config.target_path)
+    if tokenizer is None:
+        raise ValueError(f"{config.target_path}: the target folder has no tokenizer; dscale-serve needs one "
+                         "(tokenizer.json / tokenizer_config.json)")
+    client = EngineProcessClient(config)
+    try:
+        return build_app(client.start_process(tokenizer), config, worker=client)
+    except BaseException:
+        if client.process.is_alive():
+            client.process.terminate()
+        raise
+
+
 def uvicorn_config(app, config: ServeConfig, log_level: str):
     """uvicorn's settings for `app`: h11 with a deadline for request headers, the keep-alive timeout."""
     import uvicorn
@@ -95,9 +119,13 @@ def main(argv: list[str] | None = None) -> None:
         except (RuntimeError, ValueError) as exc:
             sys.exit(f"dscale-serve: {exc}")
     try:
-        engine = load_engine(config)
-        app = build_app(engine, config)
-    except (FileNotFoundError, ValueError) as exc:
+        if config.engine_process:
+            app = engine_process_app(config)
+            engine = app.state.server.engine
+        else:
+            engine = load_engine(config)
+            app = build_app(engine, config)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
         sys.exit(f"dscale-serve: {exc}")
     logging.getLogger("dscale.serve").info(
         "serving '%s' (mode %s, max %d running, context %d) on http://%s:%d/v1", config.model_name, config.mode,
@@ -119,12 +147,13 @@ class BackgroundServer:
 
     `with BackgroundServer(engine, config) as server:` serves at `server.url` (port 0 picks a free port)."""
 
-    def __init__(self, engine, config: ServeConfig) -> None:
+    def __init__(self, engine, config: ServeConfig, worker=None) -> None:
+        """`worker`: an `EngineProcessClient` whose process is up (`engine` is its proxy); default: a thread."""
         import uvicorn
 
         from dscale_runtime.server.app import build_app
 
-        self.app = build_app(engine, config)
+        self.app = build_app(engine, config, worker)
         self.state = self.app.state.server
         self._server = uvicorn.Server(uvicorn_config(self.app, config, "warning"))
         self._thread = None

@@ -140,14 +140,16 @@ class WorkerStats:
 
 
 class EngineWorker:
-    def __init__(self, engine, metrics=None) -> None:
+    def __init__(self, engine, metrics=None, outbox=None) -> None:
         self.engine = engine
         self.metrics = metrics
         """`ServerMetrics` whose histograms this thread observes (None: no histograms)."""
         self.stats = WorkerStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
-        self._outbox = Outbox()
+        self._outbox = outbox if outbox is not None else Outbox()
+        """Where events go: the loop threads of this process (`Outbox`), or a pipe to the HTTP process
+        (`engine_process.PipeOutbox`)."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dscale-engine", daemon=True)
 
@@ -169,6 +171,13 @@ class EngineWorker:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread between steps (it may read the engine; its events are flushed)."""
+        self._inbox.put(fn)
+
+    async def refresh(self) -> None:
+        """What /metrics and /get_load read is current (here: always; the engine is in this process)."""
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -192,7 +201,7 @@ class EngineWorker:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, Submission):
+            if not isinstance(item, str) and not callable(item) and item is not None:
                 self._send(item, Rejected(503, "the server is shutting down"))
         self._outbox.flush()
 
@@ -203,13 +212,21 @@ class EngineWorker:
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             while True:
-                if isinstance(item, Submission):
-                    self._admit(item)
-                elif isinstance(item, str):
+                if isinstance(item, str):
                     self._abort(item)
+                elif callable(item):
+                    self._run_call(item)
+                elif item is not None:  # a Submission (or the engine process's record of one)
+                    self._admit(item)
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
+
+    def _run_call(self, fn) -> None:
+        try:
+            fn()
+        except Exception:
+            log.exception("engine thread: a call failed")
 
     def _admit(self, sub: Submission) -> None:
         try:
