@@ -50,6 +50,9 @@ FALLBACK_PROBE = 16
 ACCEPTANCE_WEIGHT = 0.05
 """Weight of each step in the running mean of live acceptance (about the last 20 steps)."""
 TARGET_PROBE = 8 * FALLBACK_PROBE
+PROBE_RUN = 3
+"""A target-only probe runs this many steps in a row: with the overlap schedule a cycle commits the step before
+the one it launches, so only a probe's later cycles show its own host work (`host_ms`)."""
 """While speculation pays, every this-many-th step may run a target-only step, to keep its live time current."""
 STEP_TIME_WEIGHT = 0.1
 """Weight of each step in the running mean of a bucket's live step time per mode (about the last 10 of them)."""
@@ -178,6 +181,8 @@ class Engine:
         self.time_host = self.time_live_steps and self.device.type == "cuda"
         """Whether cycles update `host_ms` (captured CUDA steps, whose device times are measured apart)."""
         self._live_steps = 0
+        self._probe_run: tuple[str, int] | None = None
+        """The probed step and how many more steps in a row it runs (PROBE_RUN in all)."""
         self._last_run: dict[str, int] = {}
         """Step mode -> `_live_steps` when it last ran (the live choice probes the one run least recently)."""
         if self.runner.use_graphs:
@@ -210,7 +215,7 @@ class Engine:
         that drives the engine (a server's streaming and HTTP work included), the chunk bound's reference where
         it exceeds the device step."""
         # [perf_counter at the last step call, bit i: prefilled i cycles before it, ms it waited for the device,
-        #  (bucket, mode) of the decode step it launched]
+        #  (bucket, mode) of the decode step it launched, modes of the decode steps it committed]
         self._cycle: list | None = None
         self._ids = itertools.count()
         self._generator = torch.Generator()
@@ -444,10 +449,12 @@ class Engine:
         if last is not None and not last[1]:
             sample = (now - last[0]) * 1e3
             self.cycle_ms = sample if self.cycle_ms is None else self.cycle_ms + CYCLE_WEIGHT * (sample - self.cycle_ms)
-        if last is not None and last[3] is not None and self.time_host:
+        # NOTE: host work is a mode's own only in a cycle that committed nothing but that mode's steps (a probe's
+        # first cycle commits the step of the mode before it)
+        if last is not None and last[3] is not None and self.time_host and last[4] <= {last[3][1]}:
             host, old = max(0.0, (now - last[0]) * 1e3 - last[2]), self.host_ms.get(last[3])
             self.host_ms[last[3]] = host if old is None else old + CYCLE_WEIGHT * (host - old)  # key (bucket, mode)
-        self._cycle = [now, (last[1] << 1) & 0b110 if last is not None else 0b110, 0.0, None]
+        self._cycle = [now, (last[1] << 1) & 0b110 if last is not None else 0b110, 0.0, None, set()]
 
     def _waited(self, ms: float) -> None:
         """Count host time spent waiting for the device in the current cycle (not host work)."""
@@ -616,18 +623,27 @@ class Engine:
         the steps' live device times where they have run (`step_costs`). Every
         `FALLBACK_PROBE`-th step runs the speculative step other than the best that ran least recently (one
         never run, as soon as the first has an estimate), so every estimate follows the traffic; with live
-        times a target-only step is probed too, once per bucket and then every `TARGET_PROBE`-th step."""
+        times a target-only step is probed too, once per bucket and then every `TARGET_PROBE`-th step, for
+        `PROBE_RUN` steps in a row."""
         mode = self.runner.mode_for(n)
         modes = self.runner.live_modes(n) if not self.step_observers else [mode]
         if len(modes) < 2:
             return mode
         bucket = self.runner.bucket(n)
+        if probe and self._probe_run is not None:
+            probed, left = self._probe_run
+            self._probe_run = (probed, left - 1) if left > 1 else None
+            if probed in modes:
+                self._live_steps += 1
+                self._last_run[probed] = self._live_steps
+                return probed
         times = self.step_costs(bucket, modes)
         rates = {m: (1 + self.live_acceptance[m] if m != "target" else 1) / times[m]
                  for m in modes if m == "target" or m in self.live_acceptance}
         best = max(rates, key=lambda m: (rates[m], m == mode)) if mode in rates else mode
         if probe:
             self._live_steps += 1
+            chosen = best
             others = [m for m in modes if m not in (best, "target")]
             unknown = [m for m in others if m not in self.live_acceptance]
             # NOTE: a target step gains one token: it is probed only for its live time, once per bucket (as soon as
@@ -642,6 +658,8 @@ class Engine:
                     others.append("target")
                 if others:
                     best = min(others, key=lambda m: self._last_run.get(m, -1))
+            if best == "target" != chosen and PROBE_RUN > 1:
+                self._probe_run = (best, PROBE_RUN - 1)
             self._last_run[best] = self._live_steps
         return best
 
@@ -707,6 +725,8 @@ class Engine:
             full = result.accepted  # a full-width step retains everything
         self._record(requests, result.accepted, result.verify_lens, result.num_rows, full)
         self.counters.steps_by_mode[mode] = self.counters.steps_by_mode.get(mode, 0) + 1
+        if self._cycle is not None:
+            self._cycle[4].add(mode)
         if self.time_live_steps and result.device_ms is not None and self.runner.policy_ms:
             key = (self.runner.bucket(len(requests)), mode)
             old = self.live_step_ms.get(key)

@@ -239,6 +239,32 @@ def test_host_work_per_cycle_is_measured_per_bucket_and_mode(pair):  # noqa: F81
     assert engine.host_ms[engine.runner.bucket(1), "dflash"] >= 20
 
 
+def test_host_work_counts_only_in_cycles_that_committed_their_own_mode(pair):  # noqa: F811
+    """With the overlap schedule a cycle commits the step before the one it launches: a cycle that launched a
+    target step but committed a DFlash one is not the target step's host work, so it is not sampled; a target
+    probe runs PROBE_RUN steps in a row, so its later cycles are."""
+    import time
+
+    from dscale_runtime.engine import PROBE_RUN
+
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    engine.time_host = engine.time_live_steps = True
+    bucket = engine.runner.buckets[0]
+    for committed, sampled in (({"dflash"}, False), (set(), True), ({"target"}, True)):
+        engine.host_ms.clear()
+        engine._cycle = [time.perf_counter() - 0.004, 0, 0.0, (bucket, "target"), committed]
+        engine._time_cycle()
+        assert ((bucket, "target") in engine.host_ms) == sampled, committed
+    # the probe: DFlash is the best step (its live time is known, target's is not): target runs PROBE_RUN in a row
+    engine._cycle = None
+    engine.live_acceptance["dflash"] = 2.0
+    engine.live_step_ms[bucket, "dflash"] = 1.0
+    assert engine._mode_for(1) == "target"
+    engine.live_step_ms[bucket, "target"] = 1.0  # its first commit: its live time is known, the run goes on
+    assert [engine._mode_for(1) for _ in range(PROBE_RUN - 1)] == ["target"] * (PROBE_RUN - 1)
+    assert [engine._mode_for(1) for _ in range(3)] == ["dflash"] * 3
+
+
 def test_target_fallback_keeps_speculating_when_drafts_are_accepted(pair):  # noqa: F811
     from test_engine import oracle_setup
 

@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import logging
 import multiprocessing
+import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -116,6 +117,8 @@ def engine_process_main(config, conn, factory=None) -> None:
     messages into its inbox until stop or EOF."""
     from dscale_runtime.server.main import load_engine
 
+    # NOTE: Ctrl-C reaches the whole process group; the HTTP process stops this one (its "stop", or EOF if it died)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         engine = (factory or load_engine)(config)
@@ -189,8 +192,10 @@ class EngineProcessClient:
         self.config = config
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
+        # NOTE: not a daemon (a daemon process may not start processes of its own, which compilers can); it
+        # ends at "stop", or when this process is gone (EOF on the pipe)
         self.process = context.Process(target=engine_process_main, args=(config, child, factory),
-                                       name="dscale-engine", daemon=True)
+                                       name="dscale-engine")
         self._child_conn = child
         self._send_lock = threading.Lock()
         self._subs: dict[str, Submission] = {}
@@ -199,6 +204,7 @@ class EngineProcessClient:
         self._nonce = 0
         self._reader: threading.Thread | None = None
         self._dead = False
+        self._stopping = False
         self.metrics = None
         self.engine: EngineProxy | None = None
 
@@ -231,6 +237,7 @@ class EngineProcessClient:
         self._reader.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        self._stopping = True
         self._send(("stop",))
         self.process.join(timeout)
         if self.process.is_alive():
@@ -291,8 +298,8 @@ class EngineProcessClient:
             except Exception:  # NOTE: one bad message must not stop the deliveries of every request
                 log.exception("engine pipe: handling a message failed")
         self._dead = True
-        code = self.process.exitcode
-        log.error("the engine process stopped (exit status %s); failing its %d requests", code, len(self._subs))
+        (log.info if self._stopping else log.error)("the engine process stopped (exit status %s); failing its %d "
+                                                    "requests", self.process.exitcode, len(self._subs))
         with self._subs_lock:
             subs, self._subs = list(self._subs.values()), {}
         by_loop: dict = {}
