@@ -12,15 +12,20 @@ from dscale_runtime.server.config import ServeConfig
 from dscale_runtime.server.flags import parse_config
 
 
+def check_paths(config: ServeConfig) -> None:
+    """Every checkpoint path the flags name exists (checked before any slow loading starts)."""
+    paths = {"--target": config.target_path, "--drafter": config.drafter_path, "--predictor": config.predictor_path}
+    for flag, path in paths.items():
+        if path is not None and not path.exists():
+            raise FileNotFoundError(f"{path}: not found (dscale-serve {flag} PATH)")
+
+
 def load_engine(config: ServeConfig, engine_cls=None):
     """The `Engine` the flags describe (every path checked before the slow loading starts)."""
     from dscale_runtime.config import EngineConfig
     from dscale_runtime.engine import Engine
 
-    paths = {"--target": config.target_path, "--drafter": config.drafter_path, "--predictor": config.predictor_path}
-    for flag, path in paths.items():
-        if path is not None and not path.exists():
-            raise FileNotFoundError(f"{path}: not found (dscale-serve {flag} PATH)")
+    check_paths(config)
     max_model_len = config.max_model_len
     if max_model_len is None:
         target_config = json.loads((config.target_path / "config.json").read_text())
@@ -48,10 +53,7 @@ def engine_process_app(config: ServeConfig):
     from dscale_runtime.server.app import build_app
     from dscale_runtime.server.engine_process import EngineProcessClient
 
-    paths = {"--target": config.target_path, "--drafter": config.drafter_path, "--predictor": config.predictor_path}
-    for flag, path in paths.items():
-        if path is not None and not path.exists():
-            raise FileNotFoundError(f"{path}: not found (dscale-serve {flag} PATH)")
+    check_paths(config)
     tokenizer = load_tokenizer(config.target_path)
     if tokenizer is None:
         raise ValueError(f"{config.target_path}: the target folder has no tokenizer; dscale-serve needs one "
