@@ -50,10 +50,10 @@ FALLBACK_PROBE = 16
 ACCEPTANCE_WEIGHT = 0.05
 """Weight of each step in the running mean of live acceptance (about the last 20 steps)."""
 TARGET_PROBE = 8 * FALLBACK_PROBE
+"""While speculation pays, every this-many-th step may run a target-only step, to keep its live time current."""
 PROBE_RUN = 3
 """A target-only probe runs this many steps in a row: with the overlap schedule a cycle commits the step before
 the one it launches, so only a probe's later cycles show its own host work (`host_ms`)."""
-"""While speculation pays, every this-many-th step may run a target-only step, to keep its live time current."""
 STEP_TIME_WEIGHT = 0.1
 """Weight of each step in the running mean of a bucket's live step time per mode (about the last 10 of them)."""
 CYCLE_WEIGHT = 0.1
