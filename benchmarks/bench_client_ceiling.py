@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -89,7 +88,7 @@ def main() -> None:
     if args.serve is not None:
         return serve(args.serve, args.events, args.tick_ms / 1000)
 
-    from dscale_runtime.bench import BenchConfig, closed_loop, manifest, request_stream
+    from dscale_runtime.bench import BenchConfig, closed_loop, latency_figures, manifest, request_stream
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -113,12 +112,11 @@ def main() -> None:
             records = asyncio.run(closed_loop(url, "stand-in", measured, c, 60, args.duration, 100_000,
                                               request_stream(config)))
             duration = max(r["end"] for r in records) - min(r["start"] for r in records)
-            ttft = sorted(1000 * (r["first"] - r["start"]) for r in records)
-            e2e = statistics.median(1000 * (r["end"] - r["start"]) for r in records)
-            p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
+            figures = latency_figures(records)  # dscale-bench's own percentiles
             print(f"c={c}: {len(records) / duration:.0f} requests/s (ideal {1000 * c / ideal_e2e:.0f}), "
                   f"{len(records) * (args.events + 1) / duration:.0f} SSE events/s, TTFT median "
-                  f"{statistics.median(ttft):.1f} ms p99 {p99:.1f} ms, e2e median {e2e:.1f} ms", flush=True)
+                  f"{1000 * figures['ttft_median']:.1f} ms p99 {1000 * figures['ttft_p99']:.1f} ms, e2e median "
+                  f"{1000 * figures['e2e_median']:.1f} ms", flush=True)
     finally:
         server.terminate()
         server.wait(10)

@@ -143,13 +143,11 @@ def stand_in(tokenizer_path: str, host_ms: float, device_ms: float, max_running:
 def server_histogram(url: str, name: str = "dscale_time_to_first_token_seconds") -> dict:
     """One of the server's histograms: cumulative counts by upper bound ('le')."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-    buckets = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "_bucket"):
-            le = line.split('le="')[1].split('"')[0]
-            buckets[le] = float(line.rsplit(" ", 1)[1])
-    return buckets
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)
+    family = next(f for f in families if f.name == name)
+    return {s.labels["le"]: s.value for s in family.samples if s.name == name + "_bucket"}
 
 
 def shares(before: dict, after: dict, bounds=("0.01", "0.02", "0.04", "0.1", "0.5")) -> dict:
@@ -177,9 +175,8 @@ def main() -> None:
     from dscale_runtime.server.config import ServeConfig
     from dscale_runtime.server.main import BackgroundServer
 
-    from dscale_runtime.server.config import ServeConfig as _Serve
-
-    args.switch_interval_ms = args.switch_interval_ms or _Serve().switch_interval_ms
+    if args.switch_interval_ms is None:
+        args.switch_interval_ms = ServeConfig.switch_interval_ms  # the dataclass field's default
     sys.setswitchinterval(args.switch_interval_ms / 1000)  # as dscale-serve does at start-up
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -69,10 +69,15 @@ def streamed(url: str, prompt) -> tuple[str, dict]:
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{") and labels in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+    """A sample of /metrics by name (and a label=value filter such as 'finished_reason="abort"')."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    key, _, value = labels.partition("=")
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == name and (not key or sample.labels.get(key) == value.strip('"')):
+                return sample.value
+    raise AssertionError(f"{name} {labels} not in /metrics")
 
 
 def test_engine_process_serves_greedy_equal_to_target_only(pair, reference):

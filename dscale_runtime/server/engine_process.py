@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 from dscale_runtime.config import SamplingParams
 from dscale_runtime.stats import EngineCounters
-from dscale_runtime.server.worker import TERMINAL, EngineWorker, Rejected, Submission, WorkerStats
+from dscale_runtime.server.worker import TERMINAL, EngineWorker, Rejected, Submission, WorkerStats, post
 
 log = logging.getLogger("dscale.serve")
 
@@ -302,19 +302,14 @@ class EngineProcessClient:
                                                     "requests", self.process.exitcode, len(self._subs))
         with self._subs_lock:
             subs, self._subs = list(self._subs.values()), {}
-        by_loop: dict = {}
-        for sub in subs:
-            event = Rejected(500, f"internal error: the engine process stopped (request id {sub.request_id}; the "
-                                  "server log has the details)")
-            by_loop.setdefault(sub.loop, []).append((sub, event))
-        for loop, batch in by_loop.items():
-            _post(loop, batch)
+        post([(sub, Rejected(500, f"internal error: the engine process stopped (request id {sub.request_id}; the "
+                                  "server log has the details)")) for sub in subs])
 
     def _events(self, events: list, observations: list) -> None:
         if self.metrics is not None:
             for name, value in observations:
                 getattr(self.metrics, name).observe(value)
-        by_loop: dict = {}
+        delivered = []
         with self._subs_lock:
             for request_id, event in events:
                 sub = self._subs.get(request_id)
@@ -322,21 +317,10 @@ class EngineProcessClient:
                     continue
                 if isinstance(event, TERMINAL):
                     del self._subs[request_id]
-                by_loop.setdefault(sub.loop, []).append((sub, event))
-        for loop, batch in by_loop.items():
-            _post(loop, batch)
+                delivered.append((sub, event))
+        post(delivered)
 
 
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def _post(loop, batch: list) -> None:
-    from dscale_runtime.server.worker import _deliver_all
-
-    try:
-        loop.call_soon_threadsafe(_deliver_all, batch)
-    except RuntimeError:  # the loop has closed (shutdown)
-        pass
-

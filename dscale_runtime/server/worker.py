@@ -102,17 +102,21 @@ class Outbox:
         self._events.append((sub, event))
 
     def flush(self) -> None:
-        if not self._events:
-            return
-        events, self._events = self._events, []
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for sub, event in events:
-            by_loop.setdefault(sub.loop, []).append((sub, event))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver_all, batch)
-            except RuntimeError:  # the loop has closed (server shutdown): nobody is listening
-                pass
+        if self._events:
+            events, self._events = self._events, []
+            post(events)
+
+
+def post(events: list) -> None:
+    """From any thread: hand (submission, event) pairs to their loops, one call per loop, in order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for sub, event in events:
+        by_loop.setdefault(sub.loop, []).append((sub, event))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver_all, batch)
+        except RuntimeError:  # the loop has closed (server shutdown): nobody is listening
+            pass
 
 
 def _deliver_all(batch: list) -> None:
