@@ -14,8 +14,8 @@ Per shape and N, in a bucket of exactly N:
   attention / the 128-row tile / the served kernels (`dflash_best`: the fastest captured); DScale greedy:
   +DVL (r = 0.5, reference attention, eager), +tiles (served kernels, eager), +graphs (captured), then the
   captured step at every other `--ratios`; target-only (W = 1) greedy and sampled; DFlash and DScale with every
-  row sampled at T = 1 ("sampled") and with odd rows sampled, even rows greedy ("mixed", marked at <= 1.05 x
-  greedy); `--sampled-rule` picks the speculative rows' rule (default: sampled drafts, the engine's auto rule
+  row sampled at T = 1 ("sampled"), with odd rows sampled, even rows greedy ("mixed", marked at <= 1.05 x
+  greedy) and the same with top_p 0.8 on the sampled rows ("mixed_top_p", the filtered kind); `--sampled-rule` picks the speculative rows' rule (default: sampled drafts, the engine's auto rule
   at T = 1);
 - decision: `BucketStep.decide` eager vs captured, replay == eager, no host synchronisation in either, and its
   parts one by one;
@@ -156,11 +156,16 @@ def fit_normalisation(predictor: AcceptancePredictor, features: torch.Tensor) ->
         predictor.norm_std.copy_(torch.nan_to_num(std, nan=1.0).clamp_min(1e-3))
 
 
+FILTER_TOP_P = 0.8  # 'mixed_top_p': the filtered kind of issue 25 (odd rows at T = 1, top_p 0.8)
+
+
 def step_kind(mode: str, sampling: str = "greedy", rule: int = RULE_SAMPLED) -> StepKind:
-    """The kind `Engine._step_kind` picks for a batch: greedy, or some rows sampled by `rule` (no top-k / top-p)."""
+    """The kind `Engine._step_kind` picks for a batch: greedy, or some rows sampled by `rule` (top_p only in
+    'mixed_top_p')."""
     if sampling == "greedy":
         return StepKind(mode)
-    return StepKind(mode, sampled=True, draft_sampling=mode != "target" and rule == RULE_SAMPLED)
+    return StepKind(mode, sampled=True, filtered=sampling == "mixed_top_p",
+                    draft_sampling=mode != "target" and rule == RULE_SAMPLED)
 
 
 @dataclass
@@ -234,12 +239,14 @@ class Bench:
             measured_policy=measured, policy_context=int(statistics.median(self.ctx)))
 
     def batch(self, n: int, sampling: str = "greedy") -> Batch:
-        """The first n requests; 'sampled': every row at T = 1, 'mixed': odd rows at T = 1, even rows greedy."""
+        """The first n requests; 'sampled': every row at T = 1, 'mixed': odd rows at T = 1, even rows greedy,
+        'mixed_top_p': odd rows at T = 1 with top_p 0.8, even rows greedy."""
         rows = []
         for i in range(n):
-            sampled = sampling == "sampled" or (sampling == "mixed" and i % 2 == 1)
+            sampled = sampling == "sampled" or (sampling in ("mixed", "mixed_top_p") and i % 2 == 1)
             rule = RULE_GREEDY if not sampled else self.sampled_rule
-            rows.append((*split_seed(1000 + i), -1, rule, 1.0, 1.0))
+            top_p = FILTER_TOP_P if sampled and sampling == "mixed_top_p" else 1.0
+            rows.append((*split_seed(1000 + i), -1, rule, 1.0, top_p))
         context = context_features(self.spec, n, self.ctx[:n], [100] * n, [[7, 2, 5, 3]] * n, "cpu").numpy()
         return Batch(self.anchors[:n], self.ctx[:n], self.tables[:n], rows, context)
 
@@ -393,7 +400,8 @@ class Variant:
     ratio: float = 1.0  # DScale's budget ratio
     attention: str | None = None  # None: the served kernels; 'ref': reference attention; 'tile128': forced tile
     graphs: bool = True
-    sampling: str = "greedy"  # 'greedy', 'sampled' (every row at T = 1) or 'mixed' (odd rows at T = 1)
+    sampling: str = "greedy"  # 'greedy', 'sampled' (every row at T = 1), 'mixed' (odd rows at T = 1), 'mixed_top_p'
+    # (odd rows at T = 1 and top_p 0.8)
 
 
 def step_variants(ratios: list[float], cuda: bool) -> list[Variant]:
@@ -407,7 +415,7 @@ def step_variants(ratios: list[float], cuda: bool) -> list[Variant]:
                 + [Variant("target eager", "target", graphs=False),
                    Variant("target eager sampled", "target", graphs=False, sampling="sampled")]
                 + [Variant(f"{m} eager {s}", m, 0.5 if m == "dscale" else 1.0, graphs=False, sampling=s)
-                   for m in ("dflash", "dscale") for s in ("sampled", "mixed")])
+                   for m in ("dflash", "dscale") for s in ("sampled", "mixed", "mixed_top_p")])
     return ([Variant("dflash eager ref", "dflash", attention="ref", graphs=False),
              Variant("dflash graph ref", "dflash", attention="ref"),
              Variant("dflash graph tile128", "dflash", attention="tile128"),
@@ -416,9 +424,10 @@ def step_variants(ratios: list[float], cuda: bool) -> list[Variant]:
              Variant("dscale +tiles", "dscale", 0.5, graphs=False),
              Variant("dscale +graphs", "dscale", 0.5)]
             + [Variant(f"dscale graph r{r}", "dscale", r) for r in others]
-            + [Variant("target graph", "target"), Variant("target graph sampled", "target", sampling="sampled")]
+            + [Variant("target graph", "target"), Variant("target graph sampled", "target", sampling="sampled"),
+               Variant("target graph mixed_top_p", "target", sampling="mixed_top_p")]
             + [Variant(f"{m} graph {s}", m, 0.5 if m == "dscale" else 1.0, sampling=s)
-               for m in ("dflash", "dscale") for s in ("sampled", "mixed")])
+               for m in ("dflash", "dscale") for s in ("sampled", "mixed", "mixed_top_p")])
 
 
 def time_variant(run: Run, bench: Bench, n: int, v: Variant) -> dict:
@@ -461,7 +470,11 @@ def pick(step: dict, mode: str, sampling: str = "greedy", ratio: float | None = 
 def step_section(run: Run, bench: Bench, n: int, cuda: bool) -> dict:
     """The complete decode step per variant (`StepRunner.run`: fill, replay, host read)."""
     out = {}
-    for v in step_variants(run.args.ratios, cuda):
+    variants = step_variants(run.args.ratios, cuda)
+    if run.args.step_set == "sampling":  # the served steps each sampled kind is compared with, and those kinds
+        variants = [v for v in variants if v.attention is None and v.graphs == cuda
+                    and v.ratio == (0.5 if v.mode == "dscale" else 1.0)]
+    for v in variants:
         if run.over_budget(f"step {v.name} N={n}"):
             continue
         try:
@@ -791,7 +804,7 @@ def derived(entry: dict, n: int, shape: str = TARGET_SHAPE) -> dict:
     if target:
         out["over_target"] = {m: round(r["ms"] / target["ms"], 4)
                               for m, r in (("dflash", base), ("dscale", dscale)) if r}
-    for sampling in ("sampled", "mixed"):
+    for sampling in ("sampled", "mixed", "mixed_top_p"):
         ratios = {}
         for mode in ("target", "dflash", "dscale"):
             greedy = pick(step, mode, ratio=0.5 if mode == "dscale" else None, served=True)
@@ -872,9 +885,10 @@ def format_table(result: dict) -> str:
         if res["N"]:
             lines += [f"\n{shape}  (step ms; verify ms vs roofline floor)",
                       ("| N | dflash eager ref | dflash tile128 | dflash best | +DVL | +tiles | +graphs "
-                       "| dscale/dflash | decision % | target | mixed/greedy dflash, dscale | verify 16N best/floor "
+                       "| dscale/dflash | decision % | target | mixed/greedy dflash, dscale | mixed_top_p/greedy "
+                       "| verify 16N best/floor "
                        "| verify 8N best/floor |"),
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for n, e in res["N"].items():
             st = e.get("step") or {}
             ms = lambda k: f"{st[k]['ms']:.2f}" if k in st else "-"  # noqa: E731
@@ -885,11 +899,12 @@ def format_table(result: dict) -> str:
             frac = f"{100 * d['decision_fraction']:.1f}" if "decision_fraction" in d else "-"
             target = pick(st, "target")
             mixed = d.get("mixed_over_greedy") or {}
+            top_p = d.get("mixed_top_p_over_greedy") or {}
             lines.append(f"| {n} | {ms('dflash eager ref')} | {ms('dflash graph tile128')} | {ms('dflash_best')} | "
                          f"{ms('dscale +DVL')} | {ms('dscale +tiles')} | {ms('dscale +graphs')} | "
                          f"{d.get('dscale_over_dflash', '-')} | {frac} | "
                          f"{target['ms'] if target else '-'} | {mixed.get('dflash', '-')}, {mixed.get('dscale', '-')} "
-                         f"| {vf('dflash')} | {vf('dscale')} |")
+                         f"| {top_p.get('dflash', '-')}, {top_p.get('dscale', '-')} | {vf('dflash')} | {vf('dscale')} |")
             for mark in d.get("marks", []):
                 lines.append(f"  mark N={n}: {mark['metric']} <= {mark['limit']}: {'PASS' if mark['pass'] else 'FAIL'}")
         b = res.get("buckets")
@@ -1046,10 +1061,12 @@ def parse_args(argv: list[str]):
     parser.add_argument("--sections", nargs="+", default=["step", "decision", "verify", "draft"], choices=SECTIONS,
                         help="profile (kernel time by name) and buckets (N = 1 .. --max-n) run only when named")
     parser.add_argument("--ratios", nargs="+", type=float, default=list(RATIOS))
+    parser.add_argument("--step-set", default="all", choices=["all", "sampling"],
+                        help="step section: every variant, or only the served steps greedy and sampled ('sampling')")
     parser.add_argument("--sampled-rule", default="sampled", choices=["sampled", "top1"],
                         help="rule of the speculative steps' sampled rows (sampled: the engine's auto rule at T = 1)")
     parser.add_argument("--profile-modes", nargs="+", default=["dflash", "dscale"], choices=["target", "dflash", "dscale"])
-    parser.add_argument("--profile-sampling", nargs="+", default=["greedy"], choices=["greedy", "sampled", "mixed"])
+    parser.add_argument("--profile-sampling", nargs="+", default=["greedy"], choices=["greedy", "sampled", "mixed", "mixed_top_p"])
     parser.add_argument("--context", type=int, default=None, help="committed tokens per request (~)")
     parser.add_argument("--max-n", type=int, default=None, help="buckets section: N = 1 .. max_n (default 64)")
     parser.add_argument("--reps", type=int, default=None)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dscale_predictor.data import prompt_split, read_traces, select_traces
-from dscale_predictor.evaluate import evaluate
+from dscale_predictor.evaluate import calibration, evaluate
 from dscale_runtime.dvl.features import FeatureSpec
 from dscale_runtime.dvl.predictor import load_predictor
 
@@ -36,12 +36,20 @@ def report_for(path: str, traces_dir: str, seed: int, fractions: tuple[float, fl
     spec = FeatureSpec.from_dict(traces.manifest["feature_spec"])
     parts = {name: select_traces(traces.subset(split == i), spec, temperatures, model.spec.version)[0]
              for name, i in (("train", 0), ("test", 2))}
+    test = parts["test"]
     with torch.no_grad():
-        raw = torch.sigmoid(model(torch.from_numpy(parts["test"].features))).numpy()
-    scores = np.minimum.accumulate(raw, axis=1)
-    out = evaluate(scores, raw, parts["test"], parts["train"], model.spec, cohort_sizes, budget_ratios,
+        x = torch.from_numpy(test.features)
+        raw = torch.sigmoid(model(x)).numpy()
+        scores = model.scores(x).numpy()  # through the artifact's calibration, where it has one
+    out = evaluate(scores, raw, test, parts["train"], model.spec, cohort_sizes, budget_ratios,
                    model.spec.num_positions + 1)
+    if model.calibration_knots is not None:
+        uncalibrated = np.minimum.accumulate(raw, axis=1)
+        for t, entry in out["by_temperature"].items():
+            rows = np.flatnonzero(test.temperature == float(t))
+            entry["uncalibrated"] = calibration(uncalibrated[rows], test.subset(rows), model.spec.num_positions)
     out.update({"predictor": str(path), "feature_spec": model.spec.version,
+                "calibration_temperatures": list(model.calibration_temperatures),
                 "parameters": sum(p.numel() for p in model.parameters())})
     return out
 
@@ -63,8 +71,9 @@ def main() -> None:
     for path, rep in reports.items():
         print(f"== {path} ({rep['feature_spec']}, {rep['parameters']} parameters): R^2 {rep['r2_accepted']}")
         for t, entry in rep["by_temperature"].items():
+            before = f" (uncalibrated {entry['uncalibrated']['ece'][:3]})" if "uncalibrated" in entry else ""
             print(f"  T={t}: {entry['records']} records, mean accepted {entry['mean_accepted']} predicted "
-                  f"{entry['mean_predicted']}, ECE j=1..3 {entry['ece'][:3]}")
+                  f"{entry['mean_predicted']}, ECE j=1..3 {entry['ece'][:3]}{before}")
             for ratio, table in entry["retention_by_budget"].items():
                 cells = [f"N={n}: " + " ".join(f"{m} {row[m]['retention']}" for m in ("oracle", "predictor",
                          "online_logistic") if row.get(m)) for n, row in table.items()]

@@ -3,9 +3,10 @@
 # configuration below, each swept by dscale-bench --url over concurrency 1, 8, 32 at three sampling points
 # (greedy; T = 1; T = 0.7 / top_p 0.8), one pass of >= MIN_S seconds per point after 8 warm-up requests.
 # Server flags in CONFIGS reach dscale-serve as written (e.g. --switch-interval-ms 5 for CPython's default).
-# Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S)
-# Writes OUT_DIR/<config>/<point>/bench.{json,csv} and server logs; then prints one table of every point
-# (benchmarks/serve_sweep_summary.py, also written to OUT_DIR/summary.json).
+# Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S, ROUNDS)
+# Writes OUT_DIR/<config>/<point>/bench.{json,csv} (<point>.r<round> with ROUNDS > 1) and server logs; then prints
+# one table of every point, the median over the rounds with their spread (benchmarks/serve_sweep_summary.py, also
+# written to OUT_DIR/summary.json).
 set -uo pipefail
 out=${1:?usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]}
 device=${2:-cuda}
@@ -21,8 +22,8 @@ points=${POINTS:-"greedy:--temperature 0;t1:--temperature 1;t07p08:--temperature
 running=$(tr ',' '\n' <<<"$concurrency" | sort -n | tail -1)
 IFS=';' read -ra config_list <<<"$configs"
 IFS=';' read -ra point_list <<<"$points"
-# Every server starts at once (their start-ups, graph capture and timing, overlap); once all are up, each is
-# swept alone while the others wait idle, and stopped after its sweep.
+# Every server starts at once (their start-ups, graph capture and timing, overlap); once all are up, one bench
+# runs at a time while the others wait idle; all stop at the end.
 declare -A ports pids starts
 for entry in "${config_list[@]}"; do
   name=${entry%%:*} flags=${entry#*:}
@@ -43,16 +44,31 @@ for entry in "${config_list[@]}"; do  # every server up (or dead) before any is 
   up[$name]=1
   echo "[sweep] $name ($flags) up $(python -c "print(round($(date +%s.%N) - ${starts[$name]}, 1))") s after its start"
 done
+# Rounds interleave the servers: each point is measured on every server before the next point, and each round
+# starts one server later, so a drift of the machine over the run falls on every server alike.
+rounds=${ROUNDS:-1}
+names=()
 for entry in "${config_list[@]}"; do
-  name=${entry%%:*} port=${ports[$name]} pid=${pids[$name]}
-  [ -n "${up[$name]:-}" ] || continue
+  name=${entry%%:*}
+  [ -n "${up[$name]:-}" ] && names+=("$name")
+done
+for ((r = 1; r <= rounds; r++)); do
   for p in "${point_list[@]}"; do
     pname=${p%%:*} pflags=${p#*:}
-    # shellcheck disable=SC2086
-    python -m dscale_runtime.bench --url "http://127.0.0.1:$port" --concurrency "$concurrency" --num-requests 64 \
-      --warmup 8 --repetitions 1 --min-duration-s "$min_s" --max-tokens 64 $pflags \
-      --output "$out/$name/$pname" 2>&1 | grep -E "^\[dscale-bench\].*pass|Error|error" | sed "s/^/[$name $pname] /"
+    dir=$pname
+    [ "$rounds" -gt 1 ] && dir="$pname.r$r"
+    for ((i = 0; i < ${#names[@]}; i++)); do
+      name=${names[$(((i + r - 1) % ${#names[@]}))]}
+      port=${ports[$name]}
+      # shellcheck disable=SC2086
+      python -m dscale_runtime.bench --url "http://127.0.0.1:$port" --concurrency "$concurrency" --num-requests 64 \
+        --warmup 8 --repetitions 1 --min-duration-s "$min_s" --max-tokens 64 $pflags \
+        --output "$out/$name/$dir" 2>&1 | grep -E "^\[dscale-bench\].*pass|Error|error" | sed "s/^/[$name $dir] /"
+    done
   done
+done
+for name in "${names[@]}"; do
+  port=${ports[$name]} pid=${pids[$name]}
   python -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics', timeout=30).text)" >"$out/$name/metrics.txt"
   kill "$pid"; wait "$pid" 2>/dev/null
 done

@@ -1,7 +1,8 @@
 """Export: `artifacts/<name>.pt` (the runtime's artifact format) and `artifacts/<name>.onnx`.
 
 The ONNX graph takes raw features [N, F] and returns the monotone scores [N, P] (normalisation, MLP,
-sigmoid and the cumulative minimum, unrolled as pairwise minima so every opset runs it).
+sigmoid and the cumulative minimum, unrolled as pairwise minima so every opset runs it, then the artifact's
+temperature-band calibration where it has one, its cumulative product unrolled the same way).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dscale_runtime.dvl.calibration import conditional_scores, mapped_conditionals
 from dscale_runtime.dvl.predictor import AcceptancePredictor, predictor_artifact
 
 
@@ -24,6 +26,14 @@ class ScoresForExport(nn.Module):
         cols = [probs[:, :1]]
         for j in range(1, probs.shape[1]):
             cols.append(torch.minimum(cols[-1], probs[:, j : j + 1]))
+        scores = torch.cat(cols, dim=1)
+        if self.model.calibration_knots is None:
+            return scores
+        # The artifact's temperature-band calibration, as `AcceptancePredictor.scores` applies it (cumprod unrolled).
+        mapped = mapped_conditionals(conditional_scores(scores), self.model.band_knots(features))
+        cols = [mapped[:, :1]]
+        for j in range(1, mapped.shape[1]):
+            cols.append(cols[-1] * mapped[:, j : j + 1])
         return torch.cat(cols, dim=1)
 
 

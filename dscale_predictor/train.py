@@ -28,11 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dscale_runtime.dvl.calibration import conditional_scores, fit_knots
 from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
-from dscale_runtime.dvl.predictor import pair_identity
+from dscale_runtime.dvl.predictor import AcceptancePredictor, pair_identity
 from dscale_runtime.models.config import load_drafter_config, load_target_config
-from dscale_predictor.data import TraceDataModule, TraceError
-from dscale_predictor.evaluate import evaluate
+from dscale_predictor.data import TraceDataModule, TraceError, Traces
+from dscale_predictor.evaluate import calibration, evaluate
 from dscale_predictor.export import export_onnx, export_pt
 from dscale_predictor.model import PredictorModule
 
@@ -41,7 +42,7 @@ from dscale_predictor.model import PredictorModule
 SPAWNING_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")
 # Fields that do not change the trained weights: a run may be resumed with other values of these.
 NOT_TRAINING = ("run_dir", "export_name", "artifacts_dir", "cohort_sizes", "budget_ratio", "budget_ratios",
-                "accelerator", "devices", "strategy", "num_nodes", "target_path", "drafter_path")
+                "accelerator", "devices", "strategy", "num_nodes", "target_path", "drafter_path", "calibrate")
 FINISHED = "finished.json"  # in <run_dir>/checkpoints: the run's fit ended (its epochs)
 
 
@@ -96,6 +97,9 @@ class TrainConfig:
     refused: the report needs the loop state of the process that trained."""
     num_nodes: int = 1
     """Lightning nodes (machines) of the run, each with `devices` processes."""
+    calibrate: bool = True
+    """Fit the artifact's calibration map per temperature on the validation split (the live map's form, one per
+    temperature there; a request takes its nearest temperature's map); False exports the uncalibrated scores."""
     target_path: str | None = None
     """Target folder for the artifact's identity (None: the one recorded in the trace manifest)."""
     drafter_path: str | None = None
@@ -199,16 +203,21 @@ def _train(cfg: TrainConfig, callbacks: tuple = ()) -> dict | None:
     best_path = run_dir / "checkpoints" / finished["best"]
     best = PredictorModule.load_from_checkpoint(best_path, map_location="cpu", weights_only=False)
     model = best.model.cpu().eval()
-    test = dm.splits["test"]
+    test, val = dm.splits["test"], dm.splits["val"]
+    fitted = fit_calibration(model, val) if cfg.calibrate else None
     with torch.no_grad():
-        logits = model(torch.from_numpy(test.features))
-    raw = torch.sigmoid(logits).numpy()
-    scores = np.minimum.accumulate(raw, axis=1)
+        test_x = torch.from_numpy(test.features)
+        raw = torch.sigmoid(model(test_x)).numpy()
+        scores = model.scores(test_x).numpy()
+        val_scores = model.scores(torch.from_numpy(val.features)).numpy()
     w = spec.num_positions + 1
     report = evaluate(scores, raw, test, dm.splits["train"], spec, tuple(cfg.cohort_sizes), cfg.eval_ratios, w)
-    with torch.no_grad():
-        val = dm.splits["val"]
-        val_scores = torch.sigmoid(model(torch.from_numpy(val.features))).cummin(dim=1).values.numpy()
+    if fitted is not None:
+        uncalibrated = np.minimum.accumulate(raw, axis=1)
+        for t, entry in report["by_temperature"].items():
+            rows = np.flatnonzero(test.temperature == float(t))
+            entry["uncalibrated"] = calibration(uncalibrated[rows], test.subset(rows), spec.num_positions)
+        report["calibration"] = fitted
     from sklearn.metrics import r2_score
 
     report.update({"val_r2_accepted": round(float(r2_score(val.accepted, val_scores.sum(1))), 4),
@@ -225,6 +234,26 @@ def _train(cfg: TrainConfig, callbacks: tuple = ()) -> dict | None:
     export_onnx(model, out / f"{cfg.export_name}.onnx")
     print(json.dumps(_headline(report), indent=2))
     return report
+
+
+def fit_calibration(model: AcceptancePredictor, val: Traces) -> dict:
+    """Fit and set `model`'s calibration on the validation split: one map per temperature there (one map over
+    every record when the features carry no temperature); returns what the report shows of it."""
+    with torch.no_grad():
+        raw = model.uncalibrated_scores(torch.from_numpy(val.features)).numpy()
+    conditionals = conditional_scores(torch.from_numpy(raw)).double().numpy()
+    temps = sorted(set(val.temperature.tolist())) if model.spec.temperature_column is not None else [0.0]
+    bands = [np.flatnonzero(val.temperature == t) for t in temps] if len(temps) > 1 else [np.arange(len(val))]
+    knots = np.stack([fit_knots(conditionals[rows], val.accepted[rows]) for rows in bands])
+    model.set_calibration(temps, torch.from_numpy(knots))
+    with torch.no_grad():
+        mapped = model.scores(torch.from_numpy(val.features)).numpy()
+    p = model.spec.num_positions
+    return {"temperatures": temps, "fitted_on": "val",
+            "val": {str(t): {"records": int(len(rows)),
+                             "ece_uncalibrated": calibration(raw[rows], val.subset(rows), p)["ece"][:3],
+                             "ece": calibration(mapped[rows], val.subset(rows), p)["ece"][:3]}
+                    for t, rows in zip(temps, bands)}}
 
 
 def _identity(cfg: TrainConfig, manifest: dict, spec: FeatureSpec) -> tuple[dict, torch.Tensor]:

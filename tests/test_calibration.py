@@ -21,6 +21,7 @@ from dscale_runtime.dvl.calibration import (
     calibrated_scores,
     calibrated_scores_ref,
     conditional_scores,
+    fit_knots,
     identity_knots,
     isotonic,
     pack_unit,
@@ -49,6 +50,79 @@ def test_identity_map_gives_the_raw_scores_and_any_map_equals_its_reference():
     got = calibrated_scores(x, torch.from_numpy(knots))
     np.testing.assert_allclose(got.numpy(), calibrated_scores_ref(x.numpy(), knots), atol=1e-6)
     assert (got[:, 1:] <= got[:, :-1] + 1e-7).all(), "calibrated scores must stay non-increasing"
+
+
+def sequential_counts(cond: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Accepted counts drawn from true conditionals [R, P]: draft j is accepted with probability cond[:, j - 1]
+    once drafts 1..j-1 were."""
+    accepted = (rng.random(cond.shape) < cond).astype(np.int64)
+    return np.cumprod(accepted, axis=1).sum(1)
+
+
+def test_the_offline_fit_recovers_a_known_miscalibration():
+    """Raw conditionals x whose true acceptance is 0.6 x^1.5 (a predictor that over-promises, as demo.pt does at
+    T = 1): the fitted map is that law within sampling error, and P(accepted >= j) through it is calibrated."""
+    from dscale_predictor.evaluate import ece
+
+    rng = np.random.default_rng(3)
+    x = rng.beta(3, 1.5, size=(20_000, W - 1))
+    counts = sequential_counts(0.6 * x**1.5, rng)
+    knots = fit_knots(x, counts)
+    assert knots.shape == (W - 1, 9) and (np.diff(knots, axis=1) >= 0).all()
+    grid = np.linspace(0, 1, 9)
+    # Knots the data reaches (x >= 0.25 at the first two positions; later ones see fewer records at risk).
+    np.testing.assert_allclose(knots[:2, 2:], np.broadcast_to(0.6 * grid[2:] ** 1.5, (2, 7)), atol=0.035)
+    labels = counts[:, None] >= np.arange(1, W)[None, :]
+    raw, fitted = np.cumprod(x, axis=1), calibrated_scores_ref(x, knots)
+    for j in range(3):
+        assert ece(raw[:, j], labels[:, j].astype(float)) > 0.15
+        assert ece(fitted[:, j], labels[:, j].astype(float)) < 0.015
+
+
+def test_the_predictors_temperature_bands_equal_their_reference(tmp_path):
+    """`AcceptancePredictor.scores` with a calibration of bands at T = 0, 0.7, 1: each row goes through the map of
+    its nearest temperature (ties to the lower), against `calibrated_scores_ref` row by row; it survives the
+    artifact round trip, and the artifact's checks refuse bad maps."""
+    from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
+    from dscale_runtime.dvl.predictor import (
+        AcceptancePredictor,
+        PredictorError,
+        load_predictor,
+        predictor_artifact,
+    )
+
+    spec = FeatureSpec()
+    torch.manual_seed(0)
+    model = AcceptancePredictor(spec, (16,)).eval()
+    rng = np.random.default_rng(4)
+    knots = np.sort(rng.random((3, W - 1, 9)), axis=2).astype(np.float32)
+    model.set_calibration([0.0, 0.7, 1.0], torch.from_numpy(knots))
+    temps = torch.tensor([0.0, 0.3, 0.35, 0.36, 0.7, 0.85, 0.86, 1.0, 2.0])
+    x = torch.randn(len(temps), spec.width) * 2
+    x[:, spec.temperature_column] = temps
+    band = [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    with torch.no_grad():
+        raw, got = model.uncalibrated_scores(x), model.scores(x)
+    cond = conditional_scores(raw).numpy()
+    want = np.concatenate([calibrated_scores_ref(cond[i : i + 1], knots[b]) for i, b in enumerate(band)])
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-6)
+    assert not torch.allclose(got, raw, atol=1e-3)
+
+    art = predictor_artifact(model, {}, hidden_projection(spec, 32))
+    torch.save(art, tmp_path / "p.pt")
+    loaded, _ = load_predictor(tmp_path / "p.pt")
+    assert loaded.calibration_temperatures == (0.0, 0.7, 1.0)
+    with torch.no_grad():
+        assert torch.equal(loaded.scores(x), got)
+    for bad, match in ((knots[:2], "knots of shape"), (knots[:, :, ::-1].copy(), "non-decreasing"),
+                       (knots * 2, "non-decreasing")):
+        torch.save({**art, "calibration": {"temperatures": [0.0, 0.7, 1.0], "knots": torch.from_numpy(bad)}},
+                   tmp_path / "bad.pt")
+        with pytest.raises(PredictorError, match=match):
+            load_predictor(tmp_path / "bad.pt")
+    v1 = AcceptancePredictor(FeatureSpec.legacy(), (16,))
+    with pytest.raises(PredictorError, match="carry no temperature"):
+        v1.set_calibration([0.0, 1.0], torch.from_numpy(knots[:2]))
 
 
 def test_packed_conditionals_round_trip_within_one_step():

@@ -205,8 +205,9 @@ def test_gpu_workers_write_the_records_of_one(tmp_path):
         section, device=device, datasets=[{"name": "demo-stdlib"}], max_prompts=8, concurrency=[4, 8],
         chunk_prompts=4, max_new_tokens=16, progress=False)}))
     single, two = tmp_path / "single", tmp_path / "two"
-    for out, extra in ((single, ()), (two, ("--num-workers", "2"))):
-        proc = _run(config, out, *extra, threads=1)
+    # NOTE: both runs at once (separate processes and folders; on one GPU they share it): the suite's time.
+    procs = [_run(config, out, *extra, threads=1) for out, extra in ((single, ()), (two, ("--num-workers", "2")))]
+    for proc in procs:
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr.decode()[-3000:]
     want, got = _shards(single), _shards(two)

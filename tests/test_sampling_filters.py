@@ -178,7 +178,13 @@ def kernel_device() -> str:
 
 @pytest.mark.gpu  # and on CPU machines through Triton's interpreter
 @needs_triton
-def test_triton_floors_equal_the_reference(kernel_device):
+@pytest.mark.parametrize("path", ["row_program", "radix_rounds"])
+def test_triton_floors_equal_the_reference(kernel_device, path, monkeypatch):
+    """Both Triton paths: one program per row (vocabularies up to ROW_PROGRAM_VOCAB) and the radix rounds."""
+    from dscale_runtime.kernels import triton_filters
+
+    if path == "radix_rounds":
+        monkeypatch.setattr(triton_filters, "ROW_PROGRAM_VOCAB", 0)
     device = kernel_device
     logits, rows, want = edge_batch()
     assert torch.equal(keep_of(logits, rows, floors(logits.to(device), rows, "triton")), want > 0)
@@ -213,7 +219,21 @@ def test_triton_sampler_honours_the_floor(kernel_device):
 def test_sort_free_filters_at_the_qwen3_vocabulary_in_a_cuda_graph():
     """bf16 logits [96, 151936]: Triton and torch floors give the sorting reference's kept sets and probabilities
     exactly (the same expf on CUDA), eagerly and replayed from a CUDA graph (on other logits than captured)."""
-    logits, rows = random_batch(96, 151936, seed=7)
+    check_filters_in_a_cuda_graph(151936)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sort_free_filters_at_the_demo_vocabulary_in_a_cuda_graph():
+    """The same at the demo pair's 4,096 tokens, where Triton takes one program per row."""
+    from dscale_runtime.kernels import triton_filters
+
+    assert 4096 <= triton_filters.ROW_PROGRAM_VOCAB
+    check_filters_in_a_cuda_graph(4096)
+
+
+def check_filters_in_a_cuda_graph(vocab: int) -> None:
+    logits, rows = random_batch(96, vocab, seed=7)
     logits = logits.cuda()
     rows = SamplingRows(*(t.cuda() for t in (rows.greedy, rows.temperature, rows.top_k, rows.top_p, rows.seed_lo,
                                              rows.seed_hi)), backend="triton")
@@ -224,7 +244,7 @@ def test_sort_free_filters_at_the_qwen3_vocabulary_in_a_cuda_graph():
         assert torch.equal(keep_of(logits, rows, floor), want), backend
         assert torch.equal(policy_probs(logits, rows, True, backend=backend), probs), backend
     static = logits.clone()
-    other, _ = random_batch(96, 151936, seed=8)
+    other, _ = random_batch(96, vocab, seed=8)
     for backend in ("triton", "ref"):
         static.copy_(logits)
         floors(static, rows, backend)  # compile before capture

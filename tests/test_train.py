@@ -129,6 +129,11 @@ def test_report_has_metrics_and_baselines(setup):
     for t in temps.values():
         assert len(t["ece"]) == 15 and abs(t["mean_predicted"] - t["mean_accepted"]) < 1.0
         assert set(t["retention_by_budget"]) == {"0.5", "0.25"}
+        assert len(t["uncalibrated"]["ece"]) == 15  # the scores before the artifact's calibration, beside
+    # The calibration is fitted on the validation split, one map per temperature there.
+    cal = report["calibration"]
+    assert cal["temperatures"] == [0.0, 1.0] and cal["fitted_on"] == "val"
+    assert all(v["records"] > 0 and len(v["ece"]) == 3 for v in cal["val"].values())
 
 
 @pytest.mark.parametrize("n,width,ratio", [(3, 5, 0.5), (4, 4, 0.25), (3, 6, 0.75), (5, 3, 0.4)])
@@ -194,6 +199,7 @@ def test_onnx_equals_pytorch(setup):
     root, cfg, _ = setup
     art = root / "artifacts"
     model, _ = load_predictor(art / "tiny.pt")
+    assert model.calibration_temperatures == (0.0, 1.0)  # the graph carries the temperature bands' maps too
     session = ort.InferenceSession(str(art / "tiny.onnx"))
     x = torch.randn(1000, model.spec.width) * 3
     got = session.run(["scores"], {"features": x.numpy()})[0]

@@ -68,17 +68,24 @@ def conditional_scores(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(before > 0, s / before.clamp_min(1e-30), torch.zeros_like(s)).clamp(0.0, 1.0)
 
 
-def calibrated_scores(conditionals: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
-    """Raw conditionals [N, P] and knots [P, K + 1] -> calibrated scores s'_j = prod_{i <= j} g_i(x_i) [N, P]
-    (tensor work with static shapes: graph-safe, no host read)."""
-    p, k = knots.shape[0], knots.shape[1] - 1
+def mapped_conditionals(conditionals: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
+    """g_j(x_j) [N, P] for raw conditionals [N, P] and knots [P, K + 1] (one map for every row) or [N, P, K + 1]
+    (a map per row); tensor work with static shapes (graph-safe, no host read; gathers ONNX exports)."""
+    k = knots.shape[-1] - 1
     t = conditionals.float() * k
     left = t.floor().clamp(0, k - 1)
     frac = t - left
     left = left.long()
-    column = torch.arange(p, device=knots.device).expand_as(left)
-    lo, hi = knots[column, left], knots[column, left + 1]
-    return torch.cumprod(lo + frac * (hi - lo), dim=1)
+    rows = knots if knots.dim() == 3 else knots.unsqueeze(0).expand(conditionals.shape[0], -1, -1)
+    lo = rows.gather(2, left.unsqueeze(-1)).squeeze(-1)
+    hi = rows.gather(2, (left + 1).unsqueeze(-1)).squeeze(-1)
+    return lo + frac * (hi - lo)
+
+
+def calibrated_scores(conditionals: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
+    """Raw conditionals [N, P] and knots [P, K + 1] or [N, P, K + 1] -> calibrated scores
+    s'_j = prod_{i <= j} g_i(x_i) [N, P]."""
+    return torch.cumprod(mapped_conditionals(conditionals, knots), dim=1)
 
 
 def calibrated_scores_ref(conditionals: np.ndarray, knots: np.ndarray) -> np.ndarray:
@@ -87,6 +94,19 @@ def calibrated_scores_ref(conditionals: np.ndarray, knots: np.ndarray) -> np.nda
     grid = np.linspace(0.0, 1.0, knots.shape[1])
     mapped = np.stack([np.interp(x[:, j], grid, knots[j]) for j in range(knots.shape[0])], axis=1)
     return np.cumprod(mapped, axis=1)
+
+
+def fit_knots(conditionals: np.ndarray, accepted: np.ndarray, intervals: int = KNOT_INTERVALS, prior: float = 1.0,
+              smooth: float = 20.0) -> np.ndarray:
+    """Offline fit of the map on uncensored records (full-width accepted counts, e.g. a validation split): the
+    live fit's estimator (`LiveCalibration.fit`) over every record at risk at each position, without decay.
+    conditionals [R, P] raw conditionals, accepted [R] -> knots [P, K + 1] float32."""
+    x = np.asarray(conditionals, dtype=np.float64)
+    a = np.asarray(accepted)[:, None]
+    j = np.arange(1, x.shape[1] + 1)[None, :]
+    fit = LiveCalibration(x.shape[1], apply=True, window=np.inf, intervals=intervals, prior=prior, smooth=smooth)
+    fit._fit_add(x, (a >= j).astype(np.float64), np.broadcast_to(a >= j - 1, x.shape), 1.0)
+    return fit.fit()
 
 
 def pack_unit(values: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 An artifact is data (`torch.load(weights_only=True)`): weights, feature normalisation, the feature spec,
 the hidden-state projection, and the identity of the target/drafter pair it was trained for. Loading
 checks all of it and names what does not match. Scores are sigmoid outputs made non-increasing along the
-draft positions by a cumulative minimum; seeds are k0 = 1 + round(sum_j s_j), clipped to [1, W].
+draft positions by a cumulative minimum, then, where the artifact has one, mapped by the calibration of the
+request's temperature band (fitted by `dscale-train` on the validation split; the live map's form,
+`dvl.calibration`); seeds are k0 = 1 + round(sum_j s_j), clipped to [1, W].
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dscale_runtime.dvl.calibration import calibrated_scores, conditional_scores
 from dscale_runtime.dvl.features import FEATURE_VERSIONS, FeatureSpec, hidden_projection, same_drafter_family
 from dscale_runtime.models.config import DFlashConfig, Qwen3Config
 from dscale_runtime.models.loader import file_sha256
@@ -43,14 +46,60 @@ class AcceptancePredictor(nn.Module):
         layers.append(nn.Linear(width, spec.num_positions))
         self.mlp = nn.Sequential(*layers)
 
+        self.calibration_temperatures: tuple[float, ...] = ()
+        self.register_buffer("calibration_knots", None, persistent=False)
+        self.register_buffer("calibration_edges", None, persistent=False)
+
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """features [N, width] -> raw logits [N, P] (training applies BCE to these)."""
         x = (features.float() - self.norm_mean) / self.norm_std
         return self.mlp(x)
 
-    def scores(self, features: torch.Tensor) -> torch.Tensor:
-        """Monotone acceptance scores s [N, P]: sigmoid, then cumulative minimum along the positions."""
+    def set_calibration(self, temperatures: list[float] | tuple[float, ...], knots: torch.Tensor | None) -> None:
+        """The offline calibration per temperature band (`dscale-train` fits it on the validation split): band b
+        holds the requests whose temperature is nearest `temperatures[b]` (sorted; ties to the lower one), and
+        maps their conditionals through `knots[b]` ([B, P, K + 1], the live map's form,
+        `dvl.calibration`). None removes it. Several bands need the spec's temperature column."""
+        if knots is None:
+            self.calibration_temperatures, self.calibration_knots, self.calibration_edges = (), None, None
+            return
+        temps = [float(t) for t in temperatures]
+        knots = torch.as_tensor(knots, dtype=torch.float32)
+        if temps != sorted(set(temps)) or knots.ndim != 3 or knots.shape[0] != len(temps) \
+                or knots.shape[1] != self.spec.num_positions or knots.shape[2] < 2:
+            raise PredictorError(f"calibration: knots of shape {tuple(knots.shape)} for temperatures {temps}; "
+                                 f"expected [bands, {self.spec.num_positions}, K + 1] over sorted distinct temperatures")
+        if len(temps) > 1 and self.spec.temperature_column is None:
+            raise PredictorError(f"calibration: {len(temps)} temperature bands, but features '{self.spec.version}' "
+                                 "carry no temperature")
+        if not bool(torch.isfinite(knots).all()) or knots.min() < 0 or knots.max() > 1 \
+                or bool((knots.diff(dim=-1) < 0).any()):
+            raise PredictorError("calibration: knot values must be non-decreasing in [0, 1]")
+        edges = torch.tensor([(a + b) / 2 for a, b in zip(temps, temps[1:])], dtype=torch.float32)
+        device = self.norm_mean.device
+        self.calibration_temperatures = tuple(temps)
+        self.calibration_knots, self.calibration_edges = knots.to(device), edges.to(device)
+
+    def uncalibrated_scores(self, features: torch.Tensor) -> torch.Tensor:
+        """Sigmoid, then cumulative minimum along the positions [N, P]."""
         return torch.sigmoid(self(features)).cummin(dim=-1).values
+
+    def scores(self, features: torch.Tensor) -> torch.Tensor:
+        """Monotone acceptance scores s [N, P]: the uncalibrated ones, through the temperature band's map when the
+        artifact has a calibration (graph-safe: static shapes, no host read)."""
+        raw = self.uncalibrated_scores(features)
+        if self.calibration_knots is None:
+            return raw
+        return calibrated_scores(conditional_scores(raw), self.band_knots(features))
+
+    def band_knots(self, features: torch.Tensor) -> torch.Tensor:
+        """Each row's map [N, P, K + 1] (its temperature band's knots)."""
+        if len(self.calibration_temperatures) == 1:
+            return self.calibration_knots.expand(features.shape[0], -1, -1)
+        # NOTE: the count of band edges below the temperature (torch.bucketize's answer, in ops ONNX exports).
+        temperature = features[:, self.spec.temperature_column].float()
+        band = (temperature.unsqueeze(1) > self.calibration_edges.unsqueeze(0)).long().sum(1)
+        return self.calibration_knots.index_select(0, band)
 
 
 def seed_lengths(scores: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -86,6 +135,9 @@ def predictor_artifact(model: AcceptancePredictor, identity: dict, projection: t
         "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "hidden_projection": projection.detach().cpu().float().clone(),
         "identity": identity,
+        "calibration": ({"temperatures": list(model.calibration_temperatures),
+                         "knots": model.calibration_knots.detach().cpu().clone()}
+                        if model.calibration_knots is not None else None),
         "names": names or {},
         "metrics": metrics or {},
     }
@@ -153,4 +205,12 @@ def load_predictor(path: str | Path, identity: dict | None = None, spec: Feature
         model.load_state_dict(art["state_dict"], strict=True)
     except (KeyError, RuntimeError) as exc:
         raise PredictorError(f"{path}: weights do not fit the declared architecture ({exc})") from exc
+    calibration = art.get("calibration")
+    if calibration is not None:
+        if not isinstance(calibration, dict) or not isinstance(calibration.get("knots"), torch.Tensor):
+            raise PredictorError(f"{path}: unreadable 'calibration' (expected temperatures and a knots tensor)")
+        try:
+            model.set_calibration(calibration.get("temperatures") or [], calibration["knots"])
+        except PredictorError as exc:
+            raise PredictorError(f"{path}: {exc}") from exc
     return model.to(device).eval(), projection.to(device)

@@ -1,9 +1,13 @@
 """Triton radix select of the top-k / top-p floors: `kernels.filters.filter_floor_radix`, kept set for kept set.
 
-`filter_floor_triton(logits [R, V], shift, inv_t, top_k, top_p)` -> floor [R] fp32 in eight launches with a
-static grid and no host reads (graph-safe): one memset of an int64 scratch [R, 8192 + 16] (the six rounds'
-histograms, 2048 / 1024 / 1024 bins per search, and a little state), three rounds of the top-k search
-(counts), three of the top-p search (masses of what top-k kept), and a one-program-per-row finish. A round's
+`filter_floor_triton(logits [R, V], shift, inv_t, top_k, top_p)` -> floor [R] fp32 with a static grid and no host
+reads (graph-safe). A vocabulary of at most `ROW_PROGRAM_VOCAB` tokens (the demo pair's 4,096) takes one launch:
+one program per row holds the row in registers and finds each floor bit by bit from the top (31 masked sums per
+search; the same smallest key the rounds find, from the same integer masses). Larger ones (Qwen3's 151,936) take
+eight:
+one memset of an int64 scratch [R, 8192 + 16] (the six rounds' histograms, 2048 / 1024 / 1024 bins per search,
+and a little state), three rounds of the top-k search (counts), three of the top-p search (masses of what top-k
+kept), and a one-program-per-row finish. A round's
 grid is (R, parts): each program adds its slice of the row into the row's histogram with integer atomics
 (order-independent, so the sums equal the reference's exactly); it first advances the search over the previous
 round's histogram (the digit where the row's running count or mass reaches its target, as
@@ -28,6 +32,7 @@ from triton.language.extra import libdevice
 from dscale_runtime.kernels.filters import DIGITS, KEY_ALL, KEY_BITS, MASS_BITS
 
 BLOCK = 1024  # tokens per tile
+ROW_PROGRAM_VOCAB = 8192  # rows of at most this many tokens: `_row_kernel` (one program per row, one launch)
 TARGET_PROGRAMS = 1024  # a round splits each row into parts so that about this many programs run
 _STAGE_BINS = DIGITS + DIGITS  # stages 0-2: top-k rounds; 3-5: top-p rounds
 _STAGE_OFFSETS = tuple(sum(1 << b for b in _STAGE_BINS[:i]) for i in range(6))
@@ -136,6 +141,54 @@ def _finish_kernel(top_k, top_p, scratch, floor, OFFSET: tl.constexpr, BITS: tl.
     tl.store(floor + row, -(key.to(tl.float32, bitcast=True)))
 
 
+@triton.jit
+def _bisect(key, weight, target_count, target_mass, MASS: tl.constexpr, KEY_BITS: tl.constexpr):
+    """Smallest v < 2^KEY_BITS with F(v) = sum of `weight` over key <= v reaching the target (all ones when none
+    does), bit by bit from the top: the radix rounds' answer, one bit per step over a row held in registers."""
+    v = tl.zeros((), tl.int64)
+    for i in range(KEY_BITS):
+        bit = tl.full((), 1, tl.int64) << (KEY_BITS - 1 - i)
+        f = tl.sum(tl.where(key <= (v | (bit - 1)), weight, 0), 0)
+        if MASS:
+            hit = f.to(tl.float64) >= target_mass
+        else:
+            hit = f >= target_count
+        v = tl.where(hit, v, v | bit)
+    return v
+
+
+@triton.jit
+def _row_kernel(logits, shift, inv_t, top_k, top_p, floor, vocab, stride_row, KEY_ALL: tl.constexpr,
+                KEY_BITS: tl.constexpr, SCALE: tl.constexpr, VBLOCK: tl.constexpr, ACCURATE: tl.constexpr):
+    """Both floors of one row whose tokens fit one tile (`ROW_PROGRAM_VOCAB`): one program per row, no scratch."""
+    row = tl.program_id(0)
+    k = tl.load(top_k + row).to(tl.int64)
+    p = tl.load(top_p + row)
+    k_on = (k > 0) & (k < vocab)
+    p_on = p < 1.0
+    key_out = tl.full((), KEY_ALL, tl.int64)
+    if k_on | p_on:
+        offs = tl.arange(0, VBLOCK)
+        inside = offs < vocab
+        x = tl.load(logits + row.to(tl.int64) * stride_row + offs, mask=inside, other=0.0).to(tl.float32)
+        s = (x - tl.load(shift + row)) * tl.load(inv_t + row)
+        key = tl.where(inside, (s.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64), 1 << 40)  # pad: never kept
+        key_k = tl.full((), KEY_ALL, tl.int64)
+        if k_on:
+            key_k = _bisect(key, inside.to(tl.int64), k, 0.0, False, KEY_BITS)
+        key_out = key_k
+        if p_on:
+            if ACCURATE:
+                w = libdevice.exp(s)
+            else:
+                w = tl.exp(s)
+            q = tl.where(inside & (key <= key_k), (w * SCALE).to(tl.int64), 0)
+            target = p.to(tl.float64) * tl.sum(q, 0).to(tl.float64)
+            key_out = tl.minimum(_bisect(key, q, 0, target, True, KEY_BITS), key_k)
+    key_out = tl.minimum(key_out, KEY_ALL).to(tl.int32)
+    tl.store(floor + row, -(key_out.to(tl.float32, bitcast=True)))
+
+
 def interpreted() -> bool:
     """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
     return not isinstance(_round_kernel, triton.runtime.JITFunction)
@@ -157,6 +210,13 @@ def filter_floor_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.
     # NOTE: allocated by torch on the logits' device: inside a CUDA graph capture, from the graph's pool.
     floor = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:
+        return floor
+    if vocab <= ROW_PROGRAM_VOCAB:  # NOTE: one launch in all (no scratch, no rounds): small vocabularies
+        block = triton.next_power_of_2(vocab)
+        _row_kernel[(rows,)](logits, shift.float().contiguous(), inv_t.float().contiguous(),
+                             top_k.long().contiguous(), top_p.float().contiguous(), floor, vocab, logits.stride(0),
+                             KEY_ALL=KEY_ALL, KEY_BITS=KEY_BITS, SCALE=float(2**MASS_BITS), VBLOCK=block,
+                             ACCURATE=not interpreted(), num_warps=4 if block <= 4096 else 8)
         return floor
     scratch = torch.zeros(rows, _ROW_WORDS, dtype=torch.int64, device=logits.device)
     parts = parts_per_row(rows, vocab)
