@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dscale_predictor.data import prompt_split, read_traces, select_traces
-from dscale_predictor.evaluate import calibration, evaluate
+from dscale_predictor.evaluate import add_uncalibrated, evaluate
 from dscale_runtime.dvl.features import FeatureSpec
 from dscale_runtime.dvl.predictor import load_predictor
 
@@ -44,10 +44,7 @@ def report_for(path: str, traces_dir: str, seed: int, fractions: tuple[float, fl
     out = evaluate(scores, raw, test, parts["train"], model.spec, cohort_sizes, budget_ratios,
                    model.spec.num_positions + 1)
     if model.calibration_knots is not None:
-        uncalibrated = np.minimum.accumulate(raw, axis=1)
-        for t, entry in out["by_temperature"].items():
-            rows = np.flatnonzero(test.temperature == float(t))
-            entry["uncalibrated"] = calibration(uncalibrated[rows], test.subset(rows), model.spec.num_positions)
+        add_uncalibrated(out, np.minimum.accumulate(raw, axis=1), test, model.spec.num_positions)
     out.update({"predictor": str(path), "feature_spec": model.spec.version,
                 "calibration_temperatures": list(model.calibration_temperatures),
                 "parameters": sum(p.numel() for p in model.parameters())})

@@ -176,6 +176,13 @@ def calibration(scores: np.ndarray, test: Traces, num_positions: int) -> dict:
             "ece": [round(ece(scores[:, j], labels[:, j].astype(float)), 4) for j in range(num_positions)]}
 
 
+def add_uncalibrated(report: dict, uncalibrated: np.ndarray, test: Traces, num_positions: int) -> None:
+    """Put the calibration of the scores before an artifact's temperature map beside each temperature's entry."""
+    for t, entry in report["by_temperature"].items():
+        rows = np.flatnonzero(test.temperature == float(t))
+        entry["uncalibrated"] = calibration(uncalibrated[rows], test.subset(rows), num_positions)
+
+
 def evaluate(scores: np.ndarray, raw_probs: np.ndarray, test: Traces, train: Traces, spec: FeatureSpec,
              cohort_sizes: tuple[int, ...], budget_ratios: tuple[float, ...], block_size: int) -> dict:
     """scores: the predictor's monotone scores [R, P] on the test split; raw_probs: sigmoids before cummin.

@@ -33,7 +33,7 @@ from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, pair_identity
 from dscale_runtime.models.config import load_drafter_config, load_target_config
 from dscale_predictor.data import TraceDataModule, TraceError, Traces
-from dscale_predictor.evaluate import calibration, evaluate
+from dscale_predictor.evaluate import add_uncalibrated, calibration, evaluate
 from dscale_predictor.export import export_onnx, export_pt
 from dscale_predictor.model import PredictorModule
 
@@ -204,19 +204,17 @@ def _train(cfg: TrainConfig, callbacks: tuple = ()) -> dict | None:
     best = PredictorModule.load_from_checkpoint(best_path, map_location="cpu", weights_only=False)
     model = best.model.cpu().eval()
     test, val = dm.splits["test"], dm.splits["val"]
-    fitted = fit_calibration(model, val) if cfg.calibrate else None
+    fitted, val_scores = fit_calibration(model, val) if cfg.calibrate else (None, None)
     with torch.no_grad():
         test_x = torch.from_numpy(test.features)
         raw = torch.sigmoid(model(test_x)).numpy()
         scores = model.scores(test_x).numpy()
-        val_scores = model.scores(torch.from_numpy(val.features)).numpy()
+        if val_scores is None:
+            val_scores = model.scores(torch.from_numpy(val.features)).numpy()
     w = spec.num_positions + 1
     report = evaluate(scores, raw, test, dm.splits["train"], spec, tuple(cfg.cohort_sizes), cfg.eval_ratios, w)
     if fitted is not None:
-        uncalibrated = np.minimum.accumulate(raw, axis=1)
-        for t, entry in report["by_temperature"].items():
-            rows = np.flatnonzero(test.temperature == float(t))
-            entry["uncalibrated"] = calibration(uncalibrated[rows], test.subset(rows), spec.num_positions)
+        add_uncalibrated(report, np.minimum.accumulate(raw, axis=1), test, spec.num_positions)
         report["calibration"] = fitted
     from sklearn.metrics import r2_score
 
@@ -236,9 +234,10 @@ def _train(cfg: TrainConfig, callbacks: tuple = ()) -> dict | None:
     return report
 
 
-def fit_calibration(model: AcceptancePredictor, val: Traces) -> dict:
+def fit_calibration(model: AcceptancePredictor, val: Traces) -> tuple[dict, np.ndarray]:
     """Fit and set `model`'s calibration on the validation split: one map per temperature there (one map over
-    every record when the features carry no temperature); returns what the report shows of it."""
+    every record when the features carry no temperature); returns what the report shows of it and the split's
+    calibrated scores."""
     with torch.no_grad():
         raw = model.uncalibrated_scores(torch.from_numpy(val.features)).numpy()
     conditionals = conditional_scores(torch.from_numpy(raw)).double().numpy()
@@ -253,7 +252,7 @@ def fit_calibration(model: AcceptancePredictor, val: Traces) -> dict:
             "val": {str(t): {"records": int(len(rows)),
                              "ece_uncalibrated": calibration(raw[rows], val.subset(rows), p)["ece"][:3],
                              "ece": calibration(mapped[rows], val.subset(rows), p)["ece"][:3]}
-                    for t, rows in zip(temps, bands)}}
+                    for t, rows in zip(temps, bands)}}, mapped
 
 
 def _identity(cfg: TrainConfig, manifest: dict, spec: FeatureSpec) -> tuple[dict, torch.Tensor]:
