@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dscale_runtime.attention import AttentionMetadata
-from dscale_runtime.graphs import GraphedCall, cuda_times
+from dscale_runtime.graphs import GraphedCall, collect_garbage, cuda_times
 from dscale_runtime.kernels import kv_splits_for
 from dscale_runtime.kv_cache import SCRATCH_PAGE
 from dscale_runtime.sampling import SamplingRows, target_tokens
@@ -258,6 +258,8 @@ class PrefillRunner:
     def prepare(self) -> None:
         """Capture every bucket's step of every draw kind, largest first (CUDA graphs, one shared pool), so no
         request waits for a capture or a compile; then time the greedy ones (`bucket_ms`)."""
+        if self.use_graphs:
+            collect_garbage(self.device)
         for tokens in reversed(self.buckets):
             for sampled, filtered in KINDS:
                 self.get(tokens, sampled, filtered)

@@ -38,7 +38,7 @@ from dscale_runtime.dvl.calibration import calibrated_scores, conditional_scores
 from dscale_runtime.dvl.features import acceptance_features, sampling_features
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import seed_lengths
-from dscale_runtime.graphs import GraphedCall, cuda_times
+from dscale_runtime.graphs import GraphedCall, collect_garbage, cuda_times
 from dscale_runtime.kv_cache import SCRATCH_PAGE
 from dscale_runtime.sampling import COIN, DRAFT, RESIDUAL, Policy, SamplingRows, make_policy, sample, target_tokens
 from dscale_runtime.verify import CandidatePolicy, accept_greedy, accept_sampled_drafts
@@ -592,6 +592,8 @@ class StepRunner:
         waits for a capture. With the measured policy or the target fallback, every bucket's greedy steps of
         the modes it may run are captured and timed first (`measure_policy`), and the other kinds only for
         the modes the policy can pick."""
+        if self.use_graphs:
+            collect_garbage(self.device)
         if self.measured_policy or self.target_fallback:
             if self.measured_policy:
                 self.bucket_modes = {}

@@ -333,7 +333,7 @@ def test_interpreter_engine_tokens_equal_portable_path(interpreter, tmp_path, mo
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # NOTE: torch's CPU threads and the interpreter's numpy work slow each other down
     try:
-        tokens = greedy_tokens_by_backend(pair, predictor, prompts, 10, monkeypatch, dtype="float32",
+        tokens = greedy_tokens_by_backend(pair, predictor, prompts, 5, monkeypatch, dtype="float32",
                                           max_running_requests=4, max_model_len=64, kv_cache_tokens=256)
     finally:
         torch.set_num_threads(threads)
