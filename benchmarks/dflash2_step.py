@@ -8,15 +8,19 @@ captured on CUDA (eager elsewhere):
 - check: for DFlash 2 greedy and sampled (T = 1, sampled drafts), the captured step's results (accepted counts,
   successors, verify lengths, block tokens) equal the eager step's over the same inputs; a mismatch is an error;
 - timing: DFlash 1 and DFlash 2 steps, DScale over each (budget `--ratio`), greedy and all rows sampled; the
-  ratios `dflash2 / dflash1` (acceptance 5: <= 1.05 at N = 8, 16, 32) and `dscale/dflash` of each drafter.
+  ratios `dflash2 / dflash1` (acceptance 5: <= 1.05 at N = 8, 16, 32) and `dscale/dflash` of each drafter;
+  `--compare-topk` adds DFlash 2 with its candidates from one torch.topk over the vocabulary (`dflash2-topk`);
+- `--profile`: both drafters' captured greedy DFlash steps by kernel (`gpu_step.kernel_table`), and the kernels
+  whose time differs most between them.
 
-    python benchmarks/dflash2_step.py --out $OUT/dflash2_step.json              # H200, ~3 min
+    python benchmarks/dflash2_step.py --profile --compare-topk --out $OUT/dflash2_step.json   # H200, ~2 min
     python benchmarks/dflash2_step.py --device cpu --tiny --out /tmp/d2.json    # same code, tiny, eager, CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -28,8 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_step import BLOCK, SHAPES, Bench, benchmark_settings, qwen3_config, random_init, release, step_kind, \
-    sync, time_call  # noqa: E402
+from gpu_step import BLOCK, SHAPES, Bench, benchmark_settings, kernel_table, qwen3_config, random_init, release, \
+    step_kind, sync, time_call  # noqa: E402
 from dscale_runtime.models.config import DFlash2Config, DFlashConfig  # noqa: E402
 from dscale_runtime.models.dflash2 import DFlash2DraftModel  # noqa: E402
 
@@ -93,13 +97,39 @@ def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> 
                 release(bench.device)
     ratios = {}
     for sampling in ("greedy", "sampled"):
-        one, two = times[f"dflash1 dflash {sampling}"], times[f"dflash2 dflash {sampling}"]
-        ratios[f"dflash2/dflash1 {sampling}"] = two / one
+        for name in drafters:
+            if name != "dflash1":
+                ratios[f"{name}/dflash1 {sampling}"] = (times[f"{name} dflash {sampling}"]
+                                                         / times[f"dflash1 dflash {sampling}"])
         for name in drafters:
             ratios[f"{name} dscale/dflash {sampling}"] = (times[f"{name} dscale {sampling}"]
                                                           / times[f"{name} dflash {sampling}"])
     result["steps"][str(n)] = {"ms": times, "ratios": {k: round(v, 4) for k, v in ratios.items()},
                                "acceptance5_dflash2_within_1.05": ratios["dflash2/dflash1 greedy"] <= 1.05}
+
+
+def profile_section(bench: Bench, drafters: dict, n: int, args, result: dict, reps: int = 5) -> None:
+    """Where DFlash 2's extra step time goes: each drafter's greedy DFlash step (captured on CUDA) profiled by kernel
+    name (`gpu_step.kernel_table`), and the kernels whose time per step differs most between the two."""
+    graphs = bench.device.type == "cuda"
+    tables = {}
+    for name, drafter in drafters.items():
+        _, runner, batch, kind = step_result(bench, drafter, "dflash", n, "greedy", graphs, args.ratio)
+        for _ in range(3):
+            batch.run(runner, kind)
+        tables[name] = kernel_table(lambda: batch.run(runner, kind), bench.device, reps)
+        del runner
+        release(bench.device)
+    one, two = tables["dflash1"]["all"], tables["dflash2"]["all"]
+    diff = sorted(((k, two.get(k, [0.0, 0])[0] - one.get(k, [0.0, 0])[0], two.get(k, [0, 0])[1] - one.get(k, [0, 0])[1])
+                   for k in set(one) | set(two)), key=lambda d: -abs(d[1]))
+    result.setdefault("profile", {})[str(n)] = {
+        **{name: {k: v for k, v in t.items() if k != "all"} for name, t in tables.items()},
+        "dflash2_minus_dflash1": [{"kernel": k, "ms": round(ms, 4), "calls": c} for k, ms, c in diff[:25]]}
+    print(f"  N={n:3d} profile: dflash1 {tables['dflash1']['total_ms']:.3f} ms in {tables['dflash1']['launches']} "
+          f"launches, dflash2 {tables['dflash2']['total_ms']:.3f} ms in {tables['dflash2']['launches']}", flush=True)
+    for k, ms, c in diff[:15]:
+        print(f"    {ms:+8.4f} ms {c:+4d} calls  {k[:100]}", flush=True)
 
 
 def parse_args(argv):
@@ -116,6 +146,9 @@ def parse_args(argv):
     parser.add_argument("--selector-top-k", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compare-topk", action="store_true",
+                        help="also time DFlash 2 with its candidates from one torch.topk (not over slices)")
+    parser.add_argument("--profile", action="store_true", help="also profile both drafters' greedy DFlash steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -132,11 +165,16 @@ def main(argv=None) -> dict:
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         bench = Bench(SHAPES[args.shape], args.device, dtype, max(args.ns), args.context)
         drafters = {"dflash1": bench.drafter, "dflash2": build_dflash2(bench, args)}
+        if args.compare_topk:  # NOTE: the same weights, the candidates from one torch.topk over the vocabulary
+            drafters["dflash2-topk"] = copy.copy(drafters["dflash2"])
+            drafters["dflash2-topk"].candidate_chunks = 1
         sync(bench.device)
         for n in args.ns:
             if bench.device.type == "cuda":  # NOTE: the CPU has no graphs: its steps are the eager ones
                 check_section(bench, drafters["dflash2"], n, args.ratio, result)
             timing_section(bench, drafters, n, args, result)
+            if args.profile:
+                profile_section(bench, drafters, n, args, result)
             if args.out:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_text(json.dumps(result, indent=1))

@@ -646,12 +646,29 @@ def draft_section(run: Run, bench: Bench, n: int, cuda: bool) -> dict:
     return out
 
 
+def kernel_table(fn, device, reps: int, top: int = 20) -> dict:
+    """Device time of `reps` calls of `fn()` by kernel name (CPU time by op on the CPU), per call: the total, the
+    launches, the `top` kernels (ms, calls) and every kernel's ms (`all`, for diffs between two steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        sync(device)
+    attr = "device_time_total" if cuda else "self_cpu_time_total"
+    kernels = sorted(((e.key, getattr(e, attr, 0) / 1e3 / reps, e.count // reps)
+                      for e in prof.key_averages()), key=lambda k: -k[1])
+    kernels = [k for k in kernels if k[1] > 0]
+    return {"total_ms": round(sum(k[1] for k in kernels), 3), "launches": sum(k[2] for k in kernels),
+            "top": [{"kernel": k[:120], "ms": round(ms, 4), "calls": c} for k, ms, c in kernels[:top]],
+            "all": {k[:120]: [round(ms, 4), c] for k, ms, c in kernels}}
+
+
 def profile_section(run: Run, bench: Bench, n: int, cuda: bool) -> dict:
     """Where a captured step's device time goes: torch.profiler over a few steps of each mode (DScale at budget
     0.5, served kernels), greedy and with every row sampled at T = 1 (`--profile-sampling`), kernels summed by
     name (the top 20 per step, in ms per step) and the number of kernel launches per step."""
-    from torch.profiler import ProfilerActivity, profile
-
     args, out, reps = run.args, {}, 5
     bench.use_kernels(bench.served)
     for mode in args.profile_modes:
@@ -664,16 +681,7 @@ def profile_section(run: Run, bench: Bench, n: int, cuda: bool) -> dict:
             for _ in range(3):
                 batch.run(runner, kind)
             sync(args.device)
-            with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-                for _ in range(reps):
-                    batch.run(runner, kind)
-                sync(args.device)
-            attr = "device_time_total" if cuda else "self_cpu_time_total"
-            kernels = sorted(((e.key, getattr(e, attr, 0) / 1e3 / reps, e.count // reps)
-                              for e in prof.key_averages()), key=lambda k: -k[1])
-            kernels = [k for k in kernels if k[1] > 0]
-            out[name] = {"total_ms": round(sum(k[1] for k in kernels), 3), "launches": sum(k[2] for k in kernels),
-                         "top": [{"kernel": k[:120], "ms": round(ms, 4), "calls": c} for k, ms, c in kernels[:20]]}
+            out[name] = kernel_table(lambda: batch.run(runner, kind), args.device, reps)
             run.log(f"  profile N={n} {name}: {out[name]['total_ms']:.3f} ms of kernels, "
                     f"{out[name]['launches']} launches per step")
             for k in out[name]["top"][:12]:

@@ -23,7 +23,7 @@ from dscale_runtime.kv_cache import PagedKVCache
 from dscale_runtime.dvl.features import FEATURE_VERSION_DFLASH2, drafter_feature_spec, hidden_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, pair_identity, predictor_artifact
 from dscale_runtime.models.config import CheckpointError, load_drafter_config, load_target_config
-from dscale_runtime.models.dflash2 import DFlash2DraftModel, walk_ref
+from dscale_runtime.models.dflash2 import DFlash2DraftModel, candidate_chunks, candidate_topk, follow_choices, walk_ref
 from dscale_runtime.models.loader import load_drafter, load_target
 
 zlab = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
@@ -316,6 +316,36 @@ def test_sampled_walk_draws_from_the_selector_q_with_keyed_uniforms(pair2):
     torch.testing.assert_close(scores, ref_scores, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(q, ref_q, atol=1e-6, rtol=1e-5)
     assert not torch.equal(path[draw], greedy_path[draw]), "some sampled slot must leave the greedy path"
+
+
+@pytest.mark.parametrize("slots", [1, 2, 7, 8, 15, 16])
+def test_follow_choices_equals_the_walk_slot_by_slot(slots):
+    """The doubling scan of `follow_choices` reads the same path as P gathers one slot after the other."""
+    gen = torch.Generator().manual_seed(slots)
+    choice = torch.randint(0, 5, (4, slots, 5), generator=gen)
+    at, chain = torch.zeros(4, dtype=torch.long), []
+    for j in range(slots):
+        at = choice[:, j].gather(1, at[:, None])[:, 0]
+        chain.append(at)
+    assert torch.equal(follow_choices(choice), torch.stack(chain, 1))
+
+
+def test_candidate_topk_over_slices_keeps_the_top_k():
+    """The top-k over slices (Qwen3's vocabulary: 1,187 slices of 128): the same values, largest first, at token ids
+    holding them (distinct ids), on rows with and without tied values and with the whole top k in one slice;
+    without ties the same ids as torch.topk."""
+    assert candidate_chunks(151936, 16) == 1187 and candidate_chunks(4096, 16) == 1
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4096, generator=gen)
+    logits[0, 256:272] += 10.0  # the row's top 16 all in one slice
+    tied = (logits * 4).round() / 4  # many equal values around the k-th
+    for rows, exact in ((logits, True), (tied, False)):
+        want, want_ids = rows.topk(16, dim=-1)
+        got, ids = candidate_topk(rows, 16, chunks=32)
+        assert torch.equal(got, want) and torch.equal(rows.gather(1, ids), got)
+        assert all(len(set(r.tolist())) == 16 for r in ids)
+        if exact:
+            assert torch.equal(ids, want_ids)
 
 
 # ---------------------------------------------------------------------------------------------- serving

@@ -196,6 +196,23 @@ def test_triton_floors_equal_the_reference(kernel_device, path, monkeypatch):
 
 @pytest.mark.gpu  # and on CPU machines through Triton's interpreter
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_program_searches_16_bit_logits_in_their_own_order(kernel_device, dtype):
+    """bf16 / fp16 rows take 16 search steps over the logits' bits, fp32 rows 31 over s: the reference's kept sets,
+    also where the scaling maps two distinct logits (0 and 6e-8 beside a maximum of 100) to one s, at a top-k
+    and at a top-p boundary."""
+    logits, rows = random_batch(8, 1200, seed=13, dtype=dtype)
+    merged = torch.tensor([[100.0, 6e-8, 0.0, -50.0] + [-1e4] * 1196] * 2, dtype=dtype)
+    logits = torch.cat([logits, merged]).to(kernel_device)
+    rows = rows_of(rows.temperature.tolist() + [1.0, 1000.0], rows.top_k.tolist() + [2, -1],
+                   rows.top_p.tolist() + [1.0, 0.3])
+    floor = floors(logits, rows, "triton")
+    assert torch.equal(keep_of(logits, rows, floor), ref_keep(logits, rows))
+    assert keep_of(logits, rows, floor)[-2:, :4].tolist() == [[True, True, True, False]] * 2
+
+
+@pytest.mark.gpu  # and on CPU machines through Triton's interpreter
+@needs_triton
 def test_triton_sampler_honours_the_floor(kernel_device):
     device = kernel_device
     logits, rows = random_batch(4, 1000, seed=12)

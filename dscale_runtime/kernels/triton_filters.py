@@ -3,7 +3,8 @@
 `filter_floor_triton(logits [R, V], shift, inv_t, top_k, top_p)` -> floor [R] fp32 with a static grid and no host
 reads (graph-safe). A vocabulary of at most `ROW_PROGRAM_VOCAB` tokens (the demo pair's 4,096) takes one launch:
 one program per row holds the row in registers and finds each floor bit by bit from the top (31 masked sums per
-search; the same smallest key the rounds find, from the same integer masses). Larger ones (Qwen3's 151,936) take
+search over the keys of s, 16 over the logits' own bits when they are bf16 / fp16; the same floor the rounds find,
+from the same integer masses). Larger ones (Qwen3's 151,936) take
 eight:
 one memset of an int64 scratch [R, 8192 + 16] (the six rounds' histograms, 2048 / 1024 / 1024 bins per search,
 and a little state), three rounds of the top-k search (counts), three of the top-p search (masses of what top-k
@@ -39,6 +40,7 @@ _STAGE_OFFSETS = tuple(sum(1 << b for b in _STAGE_BINS[:i]) for i in range(6))
 _STATE = sum(1 << b for b in _STAGE_BINS)  # state words after the histograms: (prefix, below) per stage, key_k
 _ROW_WORDS = _STATE + 16
 _KEY_K = 12  # state word of the top-k threshold key
+_DTYPES16 = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # logits `_row_kernel` keys by their own bits
 
 
 @triton.jit
@@ -158,35 +160,69 @@ def _bisect(key, weight, target_count, target_mass, MASS: tl.constexpr, KEY_BITS
 
 
 @triton.jit
+def _logit_key16(bits):
+    """16-bit float bit patterns (int32, 0..0xFFFF) -> order keys, smaller = larger value (-0 keyed as +0)."""
+    magnitude = bits & 0x7FFF
+    negative = ((bits & 0x8000) != 0) & (magnitude != 0)
+    return tl.where(negative, 0x8000 + magnitude, 0x7FFF - magnitude)
+
+
+@triton.jit
+def _key16_floor(v, shift, inv_t, DTYPE: tl.constexpr):
+    """The s floor of the 16-bit order key v (`_logit_key16`'s inverse, then the policy's own scaling)."""
+    bits = tl.where(v >= 0x8000, 0x8000 | (v - 0x8000), 0x7FFF - v).to(tl.int16)
+    x = bits.to(DTYPE, bitcast=True).to(tl.float32)
+    return tl.where(v > 0xFF80, float("-inf"), (x - shift) * inv_t)  # NOTE: past -inf's key: NaN patterns
+
+
+@triton.jit
 def _row_kernel(logits, shift, inv_t, top_k, top_p, floor, vocab, stride_row, KEY_ALL: tl.constexpr,
-                KEY_BITS: tl.constexpr, SCALE: tl.constexpr, VBLOCK: tl.constexpr, ACCURATE: tl.constexpr):
-    """Both floors of one row whose tokens fit one tile (`ROW_PROGRAM_VOCAB`): one program per row, no scratch."""
+                KEY_BITS: tl.constexpr, SCALE: tl.constexpr, VBLOCK: tl.constexpr, ACCURATE: tl.constexpr,
+                KEY16: tl.constexpr, DTYPE: tl.constexpr):
+    """Both floors of one row whose tokens fit one tile (`ROW_PROGRAM_VOCAB`): one program per row, no scratch.
+    With KEY16 (bf16 / fp16 logits) the searches run over the logits' own 16-bit order (16 steps, not 31): s is
+    non-decreasing in the logit, so the smallest key reaching a target is a logit whose s is the floor the
+    31-bit search over s finds (logits that the scaling maps to one s count together either way)."""
     row = tl.program_id(0)
     k = tl.load(top_k + row).to(tl.int64)
     p = tl.load(top_p + row)
     k_on = (k > 0) & (k < vocab)
     p_on = p < 1.0
-    key_out = tl.full((), KEY_ALL, tl.int64)
+    floor_out = tl.full((), float("-inf"), tl.float32)
     if k_on | p_on:
         offs = tl.arange(0, VBLOCK)
         inside = offs < vocab
-        x = tl.load(logits + row.to(tl.int64) * stride_row + offs, mask=inside, other=0.0).to(tl.float32)
-        s = (x - tl.load(shift + row)) * tl.load(inv_t + row)
-        key = tl.where(inside, (s.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64), 1 << 40)  # pad: never kept
-        key_k = tl.full((), KEY_ALL, tl.int64)
+        m = tl.load(shift + row)
+        it = tl.load(inv_t + row)
+        raw = tl.load(logits + row.to(tl.int64) * stride_row + offs, mask=inside, other=0.0)
+        s = (raw.to(tl.float32) - m) * it
+        if KEY16:
+            key = tl.where(inside, _logit_key16(raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF).to(tl.int64),
+                           1 << 20)  # pad: never kept
+        else:
+            key = tl.where(inside, (s.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.int64), 1 << 40)
+        floor_k = tl.full((), float("-inf"), tl.float32)
         if k_on:
-            key_k = _bisect(key, inside.to(tl.int64), k, 0.0, False, KEY_BITS)
-        key_out = key_k
+            v = _bisect(key, inside.to(tl.int64), k, 0.0, False, KEY_BITS)
+            if KEY16:
+                floor_k = _key16_floor(v, m, it, DTYPE)
+            else:
+                floor_k = -(tl.minimum(v, KEY_ALL).to(tl.int32).to(tl.float32, bitcast=True))
+        floor_out = floor_k
         if p_on:
             if ACCURATE:
                 w = libdevice.exp(s)
             else:
                 w = tl.exp(s)
-            q = tl.where(inside & (key <= key_k), (w * SCALE).to(tl.int64), 0)
+            q = tl.where(inside & (s >= floor_k), (w * SCALE).to(tl.int64), 0)
             target = p.to(tl.float64) * tl.sum(q, 0).to(tl.float64)
-            key_out = tl.minimum(_bisect(key, q, 0, target, True, KEY_BITS), key_k)
-    key_out = tl.minimum(key_out, KEY_ALL).to(tl.int32)
-    tl.store(floor + row, -(key_out.to(tl.float32, bitcast=True)))
+            v = _bisect(key, q, 0, target, True, KEY_BITS)
+            if KEY16:
+                floor_p = _key16_floor(v, m, it, DTYPE)
+            else:
+                floor_p = -(tl.minimum(v, KEY_ALL).to(tl.int32).to(tl.float32, bitcast=True))
+            floor_out = tl.maximum(floor_p, floor_k)
+    tl.store(floor + row, floor_out)
 
 
 def interpreted() -> bool:
@@ -213,10 +249,12 @@ def filter_floor_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.
         return floor
     if vocab <= ROW_PROGRAM_VOCAB:  # NOTE: one launch in all (no scratch, no rounds): small vocabularies
         block = triton.next_power_of_2(vocab)
+        key16 = logits.dtype in _DTYPES16
         _row_kernel[(rows,)](logits, shift.float().contiguous(), inv_t.float().contiguous(),
                              top_k.long().contiguous(), top_p.float().contiguous(), floor, vocab, logits.stride(0),
-                             KEY_ALL=KEY_ALL, KEY_BITS=KEY_BITS, SCALE=float(2**MASS_BITS), VBLOCK=block,
-                             ACCURATE=not interpreted(), num_warps=4 if block <= 4096 else 8)
+                             KEY_ALL=KEY_ALL, KEY_BITS=16 if key16 else KEY_BITS, SCALE=float(2**MASS_BITS),
+                             VBLOCK=block, ACCURATE=not interpreted(), KEY16=key16,
+                             DTYPE=_DTYPES16.get(logits.dtype, tl.float16), num_warps=4 if block <= 4096 else 8)
         return floor
     scratch = torch.zeros(rows, _ROW_WORDS, dtype=torch.int64, device=logits.device)
     parts = parts_per_row(rows, vocab)

@@ -8,12 +8,14 @@ each, and the convolution runs over [N, W, d] with zeros before slot 0, so no ta
 block or the injected context (whose K/V the attention reads as in DFlash 1).
 
 The candidate selector (`CandidateSelector.walk`) turns the draft logits into a path: the top `selector_top_k`
-logits of each draft slot are rescored left to right, score(c) = logit(c) + <pred[prev] * proj(h_j), succ[c]>
+logits of each draft slot (`candidate_topk`: over vocabulary slices at Qwen3's size, where one torch.topk costs
+four times the drafter's argmax) are rescored left to right, score(c) = logit(c) + <pred[prev] * proj(h_j), succ[c]>
 with prev the token chosen at the slot before (the anchor at slot 1). Greedy rows take the best score; rows
 that sample their drafts draw from q = softmax(score / T) over the candidates at a keyed uniform (`sampling.py`,
 purpose DRAFT), temperature only, as z-lab's reference. Every transition's score and choice is computed at once
-(a slot's predecessor is one of the K candidates before it), so the walk is a fixed chain of W - 1 gathers on all
-requests at once (capturable), never a host loop per request (`walk_ref`: slot by slot). Its scores are what DScale's
+(a slot's predecessor is one of the K candidates before it), so the walk composes W - 1 maps of K indices on all
+requests at once (`follow_choices`: a doubling scan, capturable), never a host loop per request (`walk_ref`: slot
+by slot). Its scores are what DScale's
 confidence features read here (`acceptance_features` over [N, W - 1, K]: top score, its gaps, log q(best) at
 T = 1, entropy: feature versions `dscale-features-dflash2-v1` and `-v2`, the latter with the sampling columns), and its q is the sparse draft policy of the
 sampled-drafts verification (`CandidatePolicy`). The convolutions run in one Triton launch each when the
@@ -149,16 +151,56 @@ class CandidateSelector(nn.Module):
             u = uniforms[:, :, None].expand(n, p, k).reshape(-1)
             drawn = sample_inverse_cdf_ref(q.reshape(-1, k), u).view(n, p, k)
             choice = torch.where(draw[:, None, None], drawn, choice)
-        at = torch.zeros(n, dtype=torch.long, device=candidates.device)  # slot 0: every K_prev row is the anchor's
-        chosen = []
-        for j in range(p):  # NOTE: a fixed-length chain of gathers over the slots (capturable)
-            at = choice[:, j].gather(1, at[:, None])[:, 0]
-            chosen.append(at)
-        chosen = torch.stack(chosen, 1)  # [N, P] candidate index of each slot's choice
+        chosen = follow_choices(choice)  # [N, P] candidate index of each slot's choice
         before = torch.cat([torch.zeros_like(chosen[:, :1]), chosen[:, :-1]], dim=1)[..., None, None]  # [N, P, 1, 1]
         path = candidates.gather(2, chosen[..., None])[..., 0]
         along = lambda t: t.gather(2, before.expand(n, p, 1, k))[:, :, 0]  # noqa: E731 - rows at the predecessors
         return path, along(scores), along(q) if q is not None else None
+
+
+def follow_choices(choice: torch.Tensor) -> torch.Tensor:
+    """choice [N, P, K]: slot j's choice for each of slot j-1's K candidates (slot 0: row 0, the anchor's) -> the
+    chosen index of every slot [N, P], walking from the anchor. Each slot is a map f_j of K indices; the walk reads
+    (f_j o ... o f_0)(0), so an inclusive scan of the compositions (doubling: ceil(log2 P) gathers over all slots
+    at once, capturable) replaces P sequential gathers."""
+    maps, step = choice, 1
+    while step < maps.shape[1]:
+        # NOTE: out of place: slot j composes its map with slot j - step's map of the previous level
+        maps = torch.cat([maps[:, :step], maps[:, step:].gather(2, maps[:, :-step])], dim=1)
+        step *= 2
+    return maps[:, :, 0]
+
+
+CHUNKED_TOPK_VOCAB = 32768  # vocabularies from this size take `candidate_topk` over slices (`candidate_chunks`)
+
+
+def candidate_chunks(vocab: int, k: int) -> int:
+    """Slices for `candidate_topk` over a vocabulary: the divisor of `vocab` whose slice width is nearest
+    sqrt(vocab / k) (Qwen3's 151,936 = 1,187 slices of 128), or 1 (one torch.topk) below CHUNKED_TOPK_VOCAB or
+    without a divisor of at least k slices."""
+    if vocab < CHUNKED_TOPK_VOCAB:
+        return 1
+    best = min((w for w in range(1, vocab // k + 1) if vocab % w == 0), key=lambda w: abs(w - (vocab / k) ** 0.5))
+    return vocab // best
+
+
+def candidate_topk(logits: torch.Tensor, k: int, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits of each row [R, V] and their token ids, largest first (`torch.topk`'s result). With
+    `chunks` > 1 (k <= chunks, dividing V): the maximum of each of `chunks` equal slices (one pass over the row),
+    the k slices with the largest maxima, then the top k of those k slices alone. Exact: a token among the row's
+    k largest lies in a slice whose maximum is among the k largest maxima (else k slices would each hold a larger
+    token); among tied values either keeps any of them, as torch.topk does."""
+    if chunks <= 1:
+        return logits.topk(k, dim=-1)
+    r, vocab = logits.shape
+    assert vocab % chunks == 0 and k <= chunks, "chunks must divide the vocabulary into at least k slices"
+    width = vocab // chunks
+    slices = logits.view(r, chunks, width)
+    _, best = slices.amax(dim=-1).topk(k, dim=-1)  # [R, k] the slices with the k largest maxima
+    # NOTE: an expanded index (stride 0 along the slice): the gather reads k slices, no [R, k, width] index is made
+    picked = slices.gather(1, best[:, :, None].expand(r, k, width))  # [R, k, width]
+    values, at = picked.view(r, k * width).topk(k, dim=-1)
+    return values, best.gather(1, at // width) * width + at % width
 
 
 def walk_ref(selector: CandidateSelector, hidden, unary, candidates, anchors, temperature=None, draw=None,
@@ -190,6 +232,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         sel = cfg.dflash2
         self.candidate_selector = CandidateSelector(cfg.layers.vocab_size, cfg.layers.hidden_size, sel.selector_rank,
                                                     sel.selector_top_k)
+        self.candidate_chunks = candidate_chunks(cfg.layers.vocab_size, sel.selector_top_k)  # `candidate_topk`
 
     def _layer(self, cfg: DFlashConfig, kernels: KernelChoice, tp: TensorParallel | None) -> Qwen3DecoderLayer:
         return DFlash2DecoderLayer(cfg.layers, cfg.dflash2, kernels, tp)
@@ -208,7 +251,10 @@ class DFlash2DraftModel(DFlashDraftModel):
         [N, W-1, d], the sparse draft policy q over the candidates, rows n * (W-1) + j - 1, when `draw`)."""
         n, w = block.shape
         hidden = self(target.embed(block.view(-1)), meta, caches).view(n, w, -1)[:, 1:]
-        unary, candidates = self.head_logits(hidden, target).topk(self.candidate_selector.top_k, dim=-1)
+        logits = self.head_logits(hidden, target)  # [N, W-1, V]
+        unary, candidates = candidate_topk(logits.view(n * (w - 1), -1), self.candidate_selector.top_k,
+                                           self.candidate_chunks)
+        unary, candidates = unary.view(n, w - 1, -1), candidates.view(n, w - 1, -1)
         # NOTE: the logit scaling is monotone (output_multiplier > 0, tanh cap): applied to the top-k only
         unary = self.scale_logits(unary.float())
         path, scores, q = self.candidate_selector.walk(hidden, unary, candidates, block[:, 0], temperature, draw,
