@@ -9,11 +9,11 @@ captured on CUDA (eager elsewhere):
   successors, verify lengths, block tokens) equal the eager step's over the same inputs; a mismatch is an error;
 - timing: DFlash 1 and DFlash 2 steps, DScale over each (budget `--ratio`), greedy and all rows sampled; the
   ratios `dflash2 / dflash1` (acceptance 5: <= 1.05 at N = 8, 16, 32) and `dscale/dflash` of each drafter;
-  `--compare-topk` adds DFlash 2 with its candidates from one torch.topk over the vocabulary (`dflash2-topk`);
+  `--candidate-chunks C` adds DFlash 2 with its candidates' top-k over C vocabulary slices (`dflash2-sliced`);
 - `--profile`: both drafters' captured greedy DFlash steps by kernel (`gpu_step.kernel_table`), and the kernels
   whose time differs most between them.
 
-    python benchmarks/dflash2_step.py --profile --compare-topk --out $OUT/dflash2_step.json   # H200, ~2 min
+    python benchmarks/dflash2_step.py --profile --out $OUT/dflash2_step.json   # H200, ~2 min
     python benchmarks/dflash2_step.py --device cpu --tiny --out /tmp/d2.json    # same code, tiny, eager, CPU
 """
 
@@ -146,8 +146,9 @@ def parse_args(argv):
     parser.add_argument("--selector-top-k", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--compare-topk", action="store_true",
-                        help="also time DFlash 2 with its candidates from one torch.topk (not over slices)")
+    parser.add_argument("--candidate-chunks", type=int, default=0,
+                        help="> 1: also time DFlash 2 with its candidates' top-k over this many vocabulary slices "
+                             "(dflash2.candidate_topk; candidate_chunks(151936, 16) = 1187)")
     parser.add_argument("--profile", action="store_true", help="also profile both drafters' greedy DFlash steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -165,9 +166,9 @@ def main(argv=None) -> dict:
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         bench = Bench(SHAPES[args.shape], args.device, dtype, max(args.ns), args.context)
         drafters = {"dflash1": bench.drafter, "dflash2": build_dflash2(bench, args)}
-        if args.compare_topk:  # NOTE: the same weights, the candidates from one torch.topk over the vocabulary
-            drafters["dflash2-topk"] = copy.copy(drafters["dflash2"])
-            drafters["dflash2-topk"].candidate_chunks = 1
+        if args.candidate_chunks > 1:  # NOTE: the same weights, the candidates' top-k over vocabulary slices
+            drafters["dflash2-sliced"] = copy.copy(drafters["dflash2"])
+            drafters["dflash2-sliced"].candidate_chunks = args.candidate_chunks
         sync(bench.device)
         for n in args.ns:
             if bench.device.type == "cuda":  # NOTE: the CPU has no graphs: its steps are the eager ones
