@@ -70,13 +70,13 @@ def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs:
     return torch.tensor(rows), runner, batch, kind
 
 
-def check_section(bench: Bench, drafter, n: int, ratio: float, result: dict) -> None:
+def check_section(bench: Bench, drafter, n: int, ratio: float, result: dict, name: str = "dflash2") -> None:
     """Captured == eager for the DFlash 2 steps (same inputs, same caches: the steps write the same K/V)."""
     for mode in ("dflash", "dscale"):
         for sampling in ("greedy", "sampled"):
             eager = step_result(bench, drafter, mode, n, sampling, False, ratio)[0]
             captured = step_result(bench, drafter, mode, n, sampling, True, ratio)[0]
-            key = f"captured_equals_eager {mode} {sampling} N={n}"
+            key = f"captured_equals_eager {mode} {sampling} N={n}" + ("" if name == "dflash2" else f" {name}")
             result["checks"][key] = bool(torch.equal(eager, captured))
             if not result["checks"][key]:
                 result["errors"].append(f"{key}: {(eager != captured).any(1).sum().item()} of {n} rows differ")
@@ -172,7 +172,9 @@ def main(argv=None) -> dict:
         sync(bench.device)
         for n in args.ns:
             if bench.device.type == "cuda":  # NOTE: the CPU has no graphs: its steps are the eager ones
-                check_section(bench, drafters["dflash2"], n, args.ratio, result)
+                for name, drafter in drafters.items():
+                    if name != "dflash1":
+                        check_section(bench, drafter, n, args.ratio, result, name)
             timing_section(bench, drafters, n, args, result)
             if args.profile:
                 profile_section(bench, drafters, n, args, result)

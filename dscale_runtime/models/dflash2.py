@@ -197,8 +197,7 @@ def candidate_topk(logits: torch.Tensor, k: int, chunks: int = 1) -> tuple[torch
     width = vocab // chunks
     slices = logits.view(r, chunks, width)
     _, best = slices.amax(dim=-1).topk(k, dim=-1)  # [R, k] the slices with the k largest maxima
-    # NOTE: an expanded index (stride 0 along the slice): the gather reads k slices, no [R, k, width] index is made
-    picked = slices.gather(1, best[:, :, None].expand(r, k, width))  # [R, k, width]
+    picked = slices[torch.arange(r, device=logits.device)[:, None], best]  # [R, k, width] the k slices
     values, at = picked.view(r, k * width).topk(k, dim=-1)
     return values, best.gather(1, at // width) * width + at % width
 
@@ -232,9 +231,9 @@ class DFlash2DraftModel(DFlashDraftModel):
         sel = cfg.dflash2
         self.candidate_selector = CandidateSelector(cfg.layers.vocab_size, cfg.layers.hidden_size, sel.selector_rank,
                                                     sel.selector_top_k)
-        # NOTE: 1, one torch.topk: the top-k over slices (`candidate_chunks(V, k)`) is exact and passes eager, but its
-        # first captured step at Qwen3-8B shape on the H200 hit an illegal memory access (cause not found yet);
-        # `benchmarks/dflash2_step.py --candidate-chunks` times it
+        # NOTE: 1, one torch.topk: the top-k over slices (`candidate_chunks(V, k)`) is exact; with its k slices read
+        # by a gather over an expanded index, the first captured step at Qwen3-8B shape on the H200 hit an illegal
+        # memory access (eager passed); `benchmarks/dflash2_step.py --candidate-chunks` checks and times it
         self.candidate_chunks = 1
 
     def _layer(self, cfg: DFlashConfig, kernels: KernelChoice, tp: TensorParallel | None) -> Qwen3DecoderLayer:
