@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import statistics
@@ -62,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dscale_runtime.dvl.allocate import allocate
 from dscale_runtime.dvl.features import FeatureSpec, context_features, hidden_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, seed_lengths
-from dscale_runtime.graphs import GraphedCall, cuda_times
+from dscale_runtime.graphs import GraphedCall, collect_garbage, cuda_times
 from dscale_runtime.kernels import KernelChoice
 from dscale_runtime.kv_cache import PagedKVCache
 from dscale_runtime.models.config import DFlashConfig, Qwen3Config
@@ -273,9 +272,7 @@ def release(device) -> None:
     if torch.device(device).type != "cuda":
         return
     if torch.cuda.memory_reserved(device) > 0.1 * torch.cuda.get_device_properties(device).total_memory:
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        collect_garbage(device)
 
 
 def time_call(fn, device, reps: int, warmup: int) -> dict:
