@@ -20,7 +20,6 @@ captured on CUDA (eager elsewhere):
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import sys
@@ -60,9 +59,21 @@ def build_dflash2(bench: Bench, args, seed: int = 7) -> DFlash2DraftModel:
     return drafter
 
 
-def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs: bool, ratio: float):
-    """One step's result tensor [n, 4 + W] on the host, and the runner (its first call builds the step)."""
+CHUNKS: dict[str, int] = {}  # drafter name -> its candidates' top-k slices (`candidate_chunks`; 1 when not named)
+
+
+def use_drafter(bench: Bench, drafter, name: str) -> None:
+    """The bench's drafter for the next runner: `name`'s module with `name`'s top-k slices (read when its steps
+    are built: a captured step keeps them)."""
+    if hasattr(drafter, "candidate_chunks"):
+        drafter.candidate_chunks = CHUNKS.get(name, 1)
     bench.drafter = drafter
+
+
+def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs: bool, ratio: float,
+                name: str = ""):
+    """One step's result tensor [n, 4 + W] on the host, and the runner (its first call builds the step)."""
+    use_drafter(bench, drafter, name)
     runner = bench.runner(mode, ratio, graphs, [n])
     batch, kind = bench.batch(n, sampling), step_kind(mode, sampling, bench.sampled_rule)
     out = batch.run(runner, kind)
@@ -74,8 +85,8 @@ def check_section(bench: Bench, drafter, n: int, ratio: float, result: dict, nam
     """Captured == eager for the DFlash 2 steps (same inputs, same caches: the steps write the same K/V)."""
     for mode in ("dflash", "dscale"):
         for sampling in ("greedy", "sampled"):
-            eager = step_result(bench, drafter, mode, n, sampling, False, ratio)[0]
-            captured = step_result(bench, drafter, mode, n, sampling, True, ratio)[0]
+            eager = step_result(bench, drafter, mode, n, sampling, False, ratio, name)[0]
+            captured = step_result(bench, drafter, mode, n, sampling, True, ratio, name)[0]
             key = f"captured_equals_eager {mode} {sampling} N={n}" + ("" if name == "dflash2" else f" {name}")
             result["checks"][key] = bool(torch.equal(eager, captured))
             if not result["checks"][key]:
@@ -89,7 +100,7 @@ def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> 
     for name, drafter in drafters.items():
         for mode in ("dflash", "dscale"):
             for sampling in ("greedy", "sampled"):
-                _, runner, batch, kind = step_result(bench, drafter, mode, n, sampling, graphs, args.ratio)
+                _, runner, batch, kind = step_result(bench, drafter, mode, n, sampling, graphs, args.ratio, name)
                 timing = time_call(lambda: batch.run(runner, kind), bench.device, args.reps, args.warmup)
                 times[f"{name} {mode} {sampling}"] = timing["ms"]
                 print(f"  N={n:3d} {name} {mode:6s} {sampling:8s} {timing['ms']:9.3f} ms", flush=True)
@@ -114,7 +125,7 @@ def profile_section(bench: Bench, drafters: dict, n: int, args, result: dict, re
     graphs = bench.device.type == "cuda"
     tables = {}
     for name, drafter in drafters.items():
-        _, runner, batch, kind = step_result(bench, drafter, "dflash", n, "greedy", graphs, args.ratio)
+        _, runner, batch, kind = step_result(bench, drafter, "dflash", n, "greedy", graphs, args.ratio, name)
         for _ in range(3):
             batch.run(runner, kind)
         tables[name] = kernel_table(lambda: batch.run(runner, kind), bench.device, reps)
@@ -166,9 +177,9 @@ def main(argv=None) -> dict:
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         bench = Bench(SHAPES[args.shape], args.device, dtype, max(args.ns), args.context)
         drafters = {"dflash1": bench.drafter, "dflash2": build_dflash2(bench, args)}
-        if args.candidate_chunks > 1:  # NOTE: the same weights, the candidates' top-k over vocabulary slices
-            drafters["dflash2-sliced"] = copy.copy(drafters["dflash2"])
-            drafters["dflash2-sliced"].candidate_chunks = args.candidate_chunks
+        if args.candidate_chunks > 1:  # NOTE: the same module, its candidates' top-k over vocabulary slices
+            drafters["dflash2-sliced"] = drafters["dflash2"]
+            CHUNKS["dflash2-sliced"] = args.candidate_chunks
         sync(bench.device)
         for n in args.ns:
             if bench.device.type == "cuda":  # NOTE: the CPU has no graphs: its steps are the eager ones

@@ -348,6 +348,29 @@ def test_candidate_topk_over_slices_keeps_the_top_k():
             assert torch.equal(ids, want_ids)
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [120, 480])
+def test_candidate_topk_over_slices_captured_at_qwen3_vocabulary(rows):
+    """At Qwen3's vocabulary (1,187 slices) and the draft rows of N = 8 / 32, bf16: replayed from a CUDA graph over
+    new logits, the sliced top-k equals its eager call and torch.topk's values."""
+    vocab = 151936
+    chunks = candidate_chunks(vocab, 16)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, vocab, generator=gen, device="cuda").to(torch.bfloat16)
+    candidate_topk(logits, 16, chunks)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values, ids = candidate_topk(logits, 16, chunks)
+    for _ in range(2):
+        logits.copy_(torch.randn(rows, vocab, generator=gen, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        eager = candidate_topk(logits, 16, chunks)
+        assert torch.equal(values, eager[0]) and torch.equal(ids, eager[1])
+        assert torch.equal(values, logits.topk(16, dim=-1).values) and torch.equal(logits.gather(1, ids), values)
+
+
 # ---------------------------------------------------------------------------------------------- serving
 def test_dscale_serve_with_a_dflash2_drafter_answers_like_target_only(tmp_path):
     """`dscale-serve --mode dscale --drafter <DFlash 2 folder> --predictor ...` (flags parsed as the command

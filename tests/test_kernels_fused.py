@@ -192,6 +192,64 @@ def test_interpreter_qk_norm_rope(interpreter, shape, dtype):
     assert torch.equal(q, want) and torch.equal(qkv[:, heads * head_dim :], before[:, heads * head_dim :])
 
 
+def qkv_store_case(num_rows, heads, kv_heads, head_dim, dtype, gen, values, num_slots=64):
+    """Inputs of qkv_norm_rope_store: the projection, weights, RoPE tables, distinct slots, caches full of a
+    sentinel."""
+    qkv, _, _ = qkv_views(num_rows, heads, kv_heads, head_dim, dtype, gen, values)
+    q_weight, k_weight = randn(head_dim, dtype, gen), randn(head_dim, dtype, gen)
+    cos, sin = rope_tables(num_rows, head_dim, dtype, gen)
+    slots = torch.randperm(num_slots, generator=gen, device=gen.device)[:num_rows]
+    caches = [torch.full((num_slots, kv_heads, head_dim), 7.0, dtype=dtype, device=gen.device) for _ in range(2)]
+    return qkv, q_weight, k_weight, cos, sin, slots, caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", HEAD_SHAPES, ids=str)
+@pytest.mark.parametrize("with_q", [True, False], ids=["qkv", "kv"])
+def test_interpreter_qkv_norm_rope_store(interpreter, shape, dtype, with_q):
+    """One launch for q's norm + RoPE, k's norm + RoPE stored at the slots and v copied there: on grid inputs equal
+    to the reference (the layer's op sequence); on general inputs equal bit for bit to qk_norm_rope_triton and an
+    index_put (what the layer launched before); slots not named keep their contents. Without q heads (the
+    drafter's context rows) only the caches change."""
+    from dscale_runtime.kernels.fused import qkv_norm_rope_store_ref
+    from dscale_runtime.kernels.triton_fused import qk_norm_rope_triton, qkv_norm_rope_store_triton
+
+    num_rows, heads, kv_heads, head_dim = shape
+    heads = heads if with_q else 0
+    for values in (on_grid, lambda *a: randn(*a, scale=3.0)):
+        gen = _gen(sum(shape) + heads)
+        qkv, q_weight, k_weight, cos, sin, slots, (k_cache, v_cache) = qkv_store_case(
+            num_rows, heads, kv_heads, head_dim, dtype, gen, values)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        if values is on_grid:
+            want_q = qkv_norm_rope_store_ref(qkv, heads, kv_heads, q_weight, k_weight, cos, sin, EPS, slots, k_ref,
+                                             v_ref)
+        else:  # the kernels the layer launched before, one per op
+            q = qkv[:, : heads * head_dim].view(num_rows, heads, head_dim)
+            k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_rows, kv_heads, head_dim)
+            want_q = qk_norm_rope_triton(q, q_weight, cos, sin, EPS) if heads else None
+            k_ref[slots] = qk_norm_rope_triton(k, k_weight, cos, sin, EPS)
+            v_ref[slots] = qkv[:, (heads + kv_heads) * head_dim :].reshape(num_rows, kv_heads, head_dim)
+        before = qkv.clone()
+        got_q = qkv_norm_rope_store_triton(qkv, heads, kv_heads, q_weight if heads else None, k_weight, cos, sin,
+                                           EPS, slots, k_cache, v_cache)
+        assert torch.equal(qkv, before)
+        assert (got_q is None) == (want_q is None) and (got_q is None or torch.equal(got_q, want_q))
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_qkv_norm_rope_store_router_takes_the_reference_for_other_cache_dtypes(monkeypatch):
+    """A cache of another dtype than the projection (never built today) takes the reference path, which casts."""
+    from dscale_runtime.kernels import fused as fused_module
+
+    gen = _gen(3)
+    qkv, q_weight, k_weight, cos, sin, slots, _ = qkv_store_case(5, 4, 2, 64, torch.float32, gen, randn)
+    caches = [torch.zeros(64, 2, 64, dtype=torch.bfloat16) for _ in range(2)]
+    monkeypatch.setattr(fused_module, "qkv_norm_rope_store_ref", lambda *a: "ref")
+    assert fused.qkv_norm_rope_store(qkv, 4, 2, q_weight, k_weight, cos, sin, EPS, slots, *caches,
+                                     backend="triton") == "ref"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(0, 64), (1, 4096), (17, 384), (3, 1000)], ids=str)
 def test_interpreter_silu_mul(interpreter, shape, dtype):
@@ -341,12 +399,13 @@ from dscale_runtime.kernels.triton_fused import compile_offline
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     for kernel, sizes in [("rms_norm", dict(dim=4096)), ("rms_norm", dict(dim=4096, add=True)),
                           ("rms_norm", dict(dim=8192, add=True)), ("qk_norm_rope", dict(num_heads=32, head_dim=128)),
-                          ("qk_norm_rope", dict(num_heads=8, head_dim=64)), ("silu_mul", dict(inter=12288))]:
+                          ("qk_norm_rope", dict(num_heads=8, head_dim=64)), ("silu_mul", dict(inter=12288)),
+                          ("qkv_norm_rope_store", dict(num_heads=40, head_dim=128))]:
         compiled = compile_offline(kernel, dtype, **sizes)
         ops = sorted(set(re.findall(r"\\b(fma\\.[\\w.]+|div\\.[\\w.]+)", compiled.asm["ptx"])))
         print(kernel, str(dtype).split(".")[1], stack_usage(compiled), *ops)
 """)]
-    assert len(lines) == 18
+    assert len(lines) == 21
     for kernel, dtype, usage, *ops in lines:
         assert usage in ("STACK:0", "STACK:?"), (kernel, dtype, usage)
         assert "div.rn.f32" in ops and not any(op.startswith("div.") and op != "div.rn.f32" for op in ops), ops
@@ -453,6 +512,52 @@ def test_cuda_graph_capture_and_replay():
         for name in outs:
             assert torch.equal(outs[name], eager[name]), name
         assert torch.equal(outs["act"], silu_mul_ref(gate_up))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_qkv_norm_rope_store_captured_at_qwen3_8b_sizes():
+    """The fused q/k norm + RoPE + K/V store at Qwen3-8B heads, bf16, 512 rows: equal bit for bit to the per-op
+    kernels (qk_norm_rope_triton, index_put), eagerly and replayed from a CUDA graph over new inputs and slots."""
+    from dscale_runtime.kernels import triton_fused as tf
+
+    s, dtype, num_rows = QWEN3_8B, torch.bfloat16, 512
+    heads, kv_heads, head_dim = s["heads"], s["kv_heads"], s["head_dim"]
+    gen = _gen(5, "cuda")
+    qkv, q_weight, k_weight, cos, sin, slots, caches = qkv_store_case(num_rows, heads, kv_heads, head_dim, dtype,
+                                                                      gen, randn, num_slots=4096)
+    q_out = torch.empty(num_rows, heads, head_dim, dtype=dtype, device="cuda")
+
+    def fused_call():
+        tf.qkv_norm_rope_store_triton(qkv, heads, kv_heads, q_weight, k_weight, cos, sin, EPS, slots, *caches,
+                                      q_out=q_out)
+
+    def per_op(k_cache, v_cache):
+        q = qkv[:, : heads * head_dim].view(num_rows, heads, head_dim)
+        k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(num_rows, kv_heads, head_dim)
+        k_cache[slots] = tf.qk_norm_rope_triton(k, k_weight, cos, sin, EPS)
+        v_cache[slots] = qkv[:, (heads + kv_heads) * head_dim :].reshape(num_rows, kv_heads, head_dim)
+        return tf.qk_norm_rope_triton(q, q_weight, cos, sin, EPS)
+
+    fused_call()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_call()
+    for seed in range(3):
+        gen = _gen(50 + seed, "cuda")
+        qkv.copy_(randn(qkv.shape, dtype, gen, 3.0))
+        slots.copy_(torch.randperm(4096, generator=gen, device="cuda")[:num_rows])
+        new_cos, new_sin = rope_tables(num_rows, head_dim, dtype, gen)
+        cos.copy_(new_cos), sin.copy_(new_sin)
+        want = [c.clone() for c in caches]
+        want_q = per_op(*want)
+        if seed % 2:
+            graph.replay()
+        else:
+            fused_call()
+        assert torch.equal(q_out, want_q)
+        assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
 
 
 @needs_triton

@@ -445,7 +445,7 @@ def kernel_calls(monkeypatch):
     calls: dict[str, list[dict]] = {}
     for module, name in ((triton_attention, "paged_attention_triton"), (triton_fused, "rms_norm_triton"),
                          (triton_fused, "add_rms_norm_triton"), (triton_fused, "qk_norm_rope_triton"),
-                         (triton_fused, "silu_mul_triton")):
+                         (triton_fused, "qkv_norm_rope_store_triton"), (triton_fused, "silu_mul_triton")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *a, _f=original, _n=name, **k: calls.setdefault(_n, []).append(k) or _f(*a, **k))
@@ -471,7 +471,8 @@ def test_use_kernels_sends_every_layer_through_the_choice(target_pair, interpret
     assert len(kernel_calls["paged_attention_triton"]) == num_layers
     assert [k["tile_rows"] for k in kernel_calls["paged_attention_triton"]] == [None] * num_layers  # by max_q
     assert len(kernel_calls["silu_mul_triton"]) == num_layers
-    assert len(kernel_calls["qk_norm_rope_triton"]) == 2 * num_layers  # q, and k into the cache
+    assert len(kernel_calls["qkv_norm_rope_store_triton"]) == num_layers  # q, and k and v into the cache
+    assert "qk_norm_rope_triton" not in kernel_calls  # the fused projection's q and k go through the one above
     assert len(kernel_calls["add_rms_norm_triton"]) == 2 * num_layers - 1  # every norm after a residual add
     assert len(kernel_calls["rms_norm_triton"]) == 2  # the first layer's input norm and the final norm
 

@@ -1,8 +1,8 @@
 """Fused elementwise ops of the Qwen3 layer behind one API, each beside its portable reference (`*_ref`).
 
 The references are exactly the torch op sequence of `models/layers.py` (every op rounding to the tensor
-dtype): RMSNorm, the residual add before `post_attention_layernorm`, q_norm / k_norm followed by RoPE, and
-the SwiGLU activation. The routers take the path from their caller (`backend=`: the layers pass their
+dtype): RMSNorm, the residual add before `post_attention_layernorm`, q_norm / k_norm followed by RoPE (alone,
+and with the K/V cache store after it), and the SwiGLU activation. The routers take the path from their caller (`backend=`: the layers pass their
 KernelChoice's `fused`): 'triton' runs the Triton kernels (`triton_fused.py`, imported lazily; on CPU
 tensors that is Triton's interpreter, for tests), 'ref' the reference, and 'auto' (direct calls) applies the
 auto rule to the tensor. No router reads the environment (DSCALE_FUSED is read once, by
@@ -54,6 +54,21 @@ def qk_norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, s
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def qkv_norm_rope_store_ref(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_weight: torch.Tensor | None,
+                            k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                            slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """qkv [T, (Hq + 2 Hkv) * D] (q, k, v heads) -> q after q_norm and RoPE [T, Hq, D] (None when Hq = 0); k after
+    k_norm and RoPE and v stored into the caches [slots, Hkv, D] at `slots` [T]: the attention layer's sequence."""
+    head_dim = k_cache.shape[-1]
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    k = qk_norm_rope_ref(k.reshape(-1, num_kv_heads, head_dim), k_weight, cos, sin, eps)
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.reshape(-1, num_kv_heads, head_dim).to(v_cache.dtype)
+    if num_q_heads == 0:
+        return None
+    return qk_norm_rope_ref(q.reshape(-1, num_q_heads, head_dim), q_weight, cos, sin, eps)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -115,6 +130,34 @@ def qk_norm_rope(
     from dscale_runtime.kernels.triton_fused import qk_norm_rope_triton
 
     return qk_norm_rope_triton(x, weight, cos, sin, eps, out=out)
+
+
+def qkv_norm_rope_store(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]: the fused projection's output, q heads, k heads, v heads
+    num_q_heads: int,  # 0: k and v rows only (context rows that never become queries)
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,  # [D] q_norm (None when num_q_heads = 0)
+    k_weight: torch.Tensor,  # [D] k_norm
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    eps: float,
+    slots: torch.Tensor,  # [T] flat cache slots
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    *,
+    backend: str = "auto",
+) -> torch.Tensor | None:  # [T, Hq, D]
+    """q_norm / k_norm and RoPE of a row's heads, K and V stored at their slots (`qkv_norm_rope_store_ref`'s
+    contract); the Triton path does it in one launch. Caches of another dtype than qkv take the reference."""
+    weights = (k_weight,) if q_weight is None else (q_weight, k_weight)
+    if (k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype
+            or fused_backend(qkv, backend, *weights, cos, sin) == "ref"):
+        return qkv_norm_rope_store_ref(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, cos, sin, eps, slots,
+                                       k_cache, v_cache)
+    from dscale_runtime.kernels.triton_fused import qkv_norm_rope_store_triton
+
+    return qkv_norm_rope_store_triton(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, cos, sin, eps, slots,
+                                      k_cache, v_cache)
 
 
 def silu_mul(

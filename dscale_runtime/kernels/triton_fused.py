@@ -1,5 +1,5 @@
 """Triton kernels for the Qwen3 layer's elementwise work: RMSNorm (alone and after the residual add), q/k norm
-with RoPE, and SiLU-and-multiply. Each replaces several torch launches by one and rounds where torch rounds.
+with RoPE (also fused with the K/V cache store), and SiLU-and-multiply. Each replaces several torch launches by one and rounds where torch rounds.
 
 Every value is computed in fp32 and rounded to the tensor dtype at the points where the torch sequence of
 `fused.py`'s references stores a tensor, so the elementwise arithmetic is bit-identical. What can differ:
@@ -81,6 +81,17 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def _norm_rope(lo, hi, w_lo, w_hi, cos_lo, cos_hi, sin_lo, sin_hi, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    """Heads [HEADS, HALF] as their two halves (fp32) -> q_norm / k_norm then RoPE, rounded where torch rounds."""
+    inv = _inv_rms(tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1), HEAD_DIM, eps)[:, None]  # [HEADS, 1]
+    lo = _round(w_lo * _round(lo * inv, DTYPE), DTYPE)  # q_norm / k_norm output
+    hi = _round(w_hi * _round(hi * inv, DTYPE), DTYPE)
+    out_lo = _round(_round(lo * cos_lo, DTYPE) + _round(-hi * sin_lo, DTYPE), DTYPE)  # x*cos + rotate_half(x)*sin
+    out_hi = _round(_round(hi * cos_hi, DTYPE) + _round(lo * sin_hi, DTYPE), DTYPE)
+    return out_lo, out_hi
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     X, W, Cos, Sin, Out,  # x [T, H, D] (any row and head strides); weight [D]; cos, sin [T, D]; out [T, H, D]
     num_heads, stride_xt, stride_xh, stride_ct, stride_st, stride_ot, stride_oh, eps,
@@ -100,20 +111,69 @@ def _qk_norm_rope_kernel(
     x_ptrs = X + t * stride_xt + heads[:, None] * stride_xh + offs[None, :]
     lo = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # [HEADS, BLOCK_HALF]
     hi = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    inv = _inv_rms(tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1), HEAD_DIM, eps)[:, None]  # [HEADS, 1]
     w_lo = tl.load(W + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
     w_hi = tl.load(W + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
-    lo = _round(w_lo * _round(lo * inv, DTYPE), DTYPE)  # q_norm / k_norm output
-    hi = _round(w_hi * _round(hi * inv, DTYPE), DTYPE)
     cos_lo = tl.load(Cos + t * stride_ct + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
     cos_hi = tl.load(Cos + t * stride_ct + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
     sin_lo = tl.load(Sin + t * stride_st + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
     sin_hi = tl.load(Sin + t * stride_st + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
-    out_lo = _round(_round(lo * cos_lo, DTYPE) + _round(-hi * sin_lo, DTYPE), DTYPE)  # x*cos + rotate_half(x)*sin
-    out_hi = _round(_round(hi * cos_hi, DTYPE) + _round(lo * sin_hi, DTYPE), DTYPE)
+    out_lo, out_hi = _norm_rope(lo, hi, w_lo, w_hi, cos_lo, cos_hi, sin_lo, sin_hi, eps, HEAD_DIM, DTYPE)
     o_ptrs = Out + t * stride_ot + heads[:, None] * stride_oh + offs[None, :]
     tl.store(o_ptrs, out_lo.to(DTYPE), mask=mask)
     tl.store(o_ptrs + HALF, out_hi.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _qkv_norm_rope_store_kernel(
+    X,  # [T, (Hq + 2 Hkv) * D]: the fused projection's row (q heads, k heads, v heads), unit head stride D
+    QW, KW, Cos, Sin,  # q_norm / k_norm weights [D]; cos, sin [T, D]
+    QOut,  # [T, Hq, D] (unused when Hq = 0)
+    KCache, VCache,  # [slots, Hkv, D] each
+    Slots,  # [T] the flat cache slot of each row
+    num_q_heads, num_kv_heads, stride_xt, stride_ct, stride_st, stride_qt, stride_qh, stride_ks, stride_kh,
+    stride_vs, stride_vh, eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    HEADS: tl.constexpr,  # heads per program, over the q heads then the k heads of a row
+):
+    DTYPE: tl.constexpr = KCache.dtype.element_ty
+    HALF: tl.constexpr = HEAD_DIM // 2
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] q heads [0, Hq), then k heads
+    is_q = heads < num_q_heads
+    is_k = (heads >= num_q_heads) & (heads < num_q_heads + num_kv_heads)
+    offs = tl.arange(0, BLOCK_HALF)
+    half_ok = offs < HALF
+    mask = (is_q | is_k)[:, None] & half_ok[None, :]
+    x_ptrs = X + t * stride_xt + heads[:, None] * HEAD_DIM + offs[None, :]
+    lo = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    qw_lo = tl.load(QW + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    qw_hi = tl.load(QW + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    kw_lo = tl.load(KW + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    kw_hi = tl.load(KW + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    w_lo = tl.where(is_q[:, None], qw_lo, kw_lo)
+    w_hi = tl.where(is_q[:, None], qw_hi, kw_hi)
+    cos_lo = tl.load(Cos + t * stride_ct + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    cos_hi = tl.load(Cos + t * stride_ct + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    sin_lo = tl.load(Sin + t * stride_st + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    sin_hi = tl.load(Sin + t * stride_st + HALF + offs, mask=half_ok, other=0.0).to(tl.float32)[None, :]
+    out_lo, out_hi = _norm_rope(lo, hi, w_lo, w_hi, cos_lo, cos_hi, sin_lo, sin_hi, eps, HEAD_DIM, DTYPE)
+    q_mask = is_q[:, None] & half_ok[None, :]
+    q_ptrs = QOut + t * stride_qt + heads[:, None] * stride_qh + offs[None, :]
+    tl.store(q_ptrs, out_lo.to(DTYPE), mask=q_mask)
+    tl.store(q_ptrs + HALF, out_hi.to(DTYPE), mask=q_mask)
+    # NOTE: k heads go to the cache at the row's slot; each k head's program also copies its v head there
+    slot = tl.load(Slots + t).to(tl.int64)
+    kv = tl.where(is_k, heads - num_q_heads, 0)  # [HEADS] kv head index
+    k_mask = is_k[:, None] & half_ok[None, :]
+    k_ptrs = KCache + slot * stride_ks + kv[:, None] * stride_kh + offs[None, :]
+    tl.store(k_ptrs, out_lo.to(DTYPE), mask=k_mask)
+    tl.store(k_ptrs + HALF, out_hi.to(DTYPE), mask=k_mask)
+    v_src = X + t * stride_xt + (heads + num_kv_heads)[:, None] * HEAD_DIM + offs[None, :]
+    v_dst = VCache + slot * stride_vs + kv[:, None] * stride_vh + offs[None, :]
+    tl.store(v_dst, tl.load(v_src, mask=k_mask, other=0.0), mask=k_mask)
+    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=k_mask, other=0.0), mask=k_mask)
 
 
 @triton.jit
@@ -264,6 +324,49 @@ def qk_norm_rope_triton(
     return out
 
 
+def qkv_norm_rope_store_triton(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]: q heads, k heads, v heads (Hq may be 0: k and v only)
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor | None,  # [D] (None when Hq = 0)
+    k_weight: torch.Tensor,  # [D]
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    eps: float,
+    slots: torch.Tensor,  # [T] int, flat cache slots
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    q_out: torch.Tensor | None = None,  # [T, Hq, D]
+) -> torch.Tensor | None:  # q after q_norm and RoPE [T, Hq, D] (None when Hq = 0)
+    """q_norm + RoPE of the q heads, k_norm + RoPE of the k heads stored at `slots`, the v heads copied there: one
+    launch for what the layer did in four (two qk_norm_rope, two index_put). The q and k values are those of
+    `qk_norm_rope_triton` (the same arithmetic)."""
+    num_rows = qkv.shape[0]
+    head_dim = k_cache.shape[-1]
+    assert qkv.dim() == 2 and qkv.stride(-1) == 1, (qkv.shape, qkv.stride())
+    assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim, (qkv.shape, num_q_heads, num_kv_heads)
+    assert k_cache.shape[1:] == v_cache.shape[1:] == (num_kv_heads, head_dim), (k_cache.shape, v_cache.shape)
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1, (k_cache.stride(), v_cache.stride())
+    assert slots.shape == (num_rows,) and not slots.dtype.is_floating_point, (slots.shape, slots.dtype)
+    q_weight = k_weight if num_q_heads == 0 else q_weight
+    _check(qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, *(t for t in (q_out,) if t is not None))
+    assert cos.shape == sin.shape == (num_rows, head_dim), (cos.shape, sin.shape, qkv.shape)
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    if num_q_heads:
+        q_out = _out(qkv, q_out, (num_rows, num_q_heads, head_dim))
+    if num_rows == 0:
+        return q_out
+    q_buf = q_out if num_q_heads else k_cache  # NOTE: never written when Hq = 0 (every q store is masked)
+    consts = qk_norm_rope_config(num_q_heads + num_kv_heads, head_dim)
+    grid = (num_rows, triton.cdiv(num_q_heads + num_kv_heads, consts["HEADS"]))
+    _qkv_norm_rope_store_kernel[grid](
+        qkv, q_weight, k_weight, cos, sin, q_buf, k_cache, v_cache, slots, num_q_heads, num_kv_heads, qkv.stride(0),
+        cos.stride(0), sin.stride(0), q_buf.stride(0), q_buf.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), eps, **consts, **_LAUNCH)
+    return q_out
+
+
 def silu_mul_triton(
     gate_up: torch.Tensor,  # [T, 2I]: gate columns, then up columns
     out: torch.Tensor | None = None,  # [T, I]
@@ -283,28 +386,29 @@ def silu_mul_triton(
     return out
 
 
-_KERNELS = {"rms_norm": _rms_norm_kernel, "qk_norm_rope": _qk_norm_rope_kernel, "silu_mul": _silu_mul_kernel}
+_KERNELS = {"rms_norm": _rms_norm_kernel, "qk_norm_rope": _qk_norm_rope_kernel,
+            "qkv_norm_rope_store": _qkv_norm_rope_store_kernel, "silu_mul": _silu_mul_kernel}
 
 
 def compile_offline(kernel: str, dtype: torch.dtype, arch: int = 90, **sizes):
     """Compile one kernel for an NVIDIA target without a GPU (Triton's bundled ptxas), with the wrappers' launch
     options: a CI check of the compiled path. `kernel` and its sizes: 'rms_norm' (dim, add: bool),
-    'qk_norm_rope' (num_heads, head_dim), 'silu_mul' (inter). Needs triton imported without TRITON_INTERPRET."""
+    'qk_norm_rope' and 'qkv_norm_rope_store' (num_heads: q heads + k heads, head_dim), 'silu_mul' (inter). Needs triton imported without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     assert not interpreted(), "compile_offline needs triton imported without TRITON_INTERPRET"
     if kernel == "rms_norm":
         consts = {**rms_norm_config(sizes["dim"]), "HAS_DELTA": bool(sizes.get("add", False))}
-    elif kernel == "qk_norm_rope":
+    elif kernel in ("qk_norm_rope", "qkv_norm_rope_store"):
         consts = qk_norm_rope_config(sizes["num_heads"], sizes["head_dim"])
     else:
         consts = silu_mul_config(sizes["inter"])
     options = {"num_warps": consts.pop("num_warps"), **_LAUNCH}
     elem = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     fn = _KERNELS[kernel]
-    signature = {n: "constexpr" if n in consts else elem if n[0].isupper() else "fp32" if n == "eps" else "i32"
-                 for n in fn.arg_names}
+    signature = {n: "constexpr" if n in consts else "*i64" if n == "Slots" else elem if n[0].isupper()
+                 else "fp32" if n == "eps" else "i32" for n in fn.arg_names}
     # NOTE: as the JIT launcher does for 16-aligned pointers and 16-divisible strides (Qwen3 sizes), say so:
     # it decides the vector width of the loads.
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names

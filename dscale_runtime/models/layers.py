@@ -119,6 +119,13 @@ class Qwen3Attention(nn.Module):
                  cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Project rows x [T, d] to K/V (k_norm, RoPE at `positions`) and store them at `slots` [T]."""
         cos, sin = cos_sin or rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        if self.qkv is not None:  # NOTE: the k and v rows of the fused weight, normed, roped and stored in one pass
+            weight, bias = self.qkv
+            q_rows = self.num_heads * self.head_dim
+            kv = F.linear(x, weight[q_rows:], None if bias is None else bias[q_rows:])
+            fused.qkv_norm_rope_store(kv, 0, self.num_kv_heads, None, self.k_norm.weight, cos, sin, self.k_norm.eps,
+                                      slots, cache.k, cache.v, backend=self.kernels.fused)
+            return
         k, v = self._kv(x)
         self._store(k, v, cos, sin, slots, cache)
 
@@ -133,15 +140,14 @@ class Qwen3Attention(nn.Module):
             meta.rope[key] = rope_cos_sin(meta.positions, self.head_dim, self.rope_theta, x.dtype)
         cos, sin = meta.rope[key]
         if self.qkv is None:
-            q = self.q_proj(x)
+            q = fused.qk_norm_rope(self.q_proj(x).view(-1, self.num_heads, self.head_dim), self.q_norm.weight, cos,
+                                   sin, self.q_norm.eps, backend=self.kernels.fused)
             k, v = self._kv(x)
-        else:
-            q, k, v = F.linear(x, *self.qkv).split(
-                [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
-            k, v = k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim)
-        q = fused.qk_norm_rope(q.view(-1, self.num_heads, self.head_dim), self.q_norm.weight, cos, sin,
-                               self.q_norm.eps, backend=self.kernels.fused)
-        self._store(k, v, cos, sin, meta.slot_mapping, cache)
+            self._store(k, v, cos, sin, meta.slot_mapping, cache)
+        else:  # NOTE: q and k normed and roped, k and v stored at their slots: one launch on the Triton path
+            q = fused.qkv_norm_rope_store(F.linear(x, *self.qkv), self.num_heads, self.num_kv_heads, self.q_norm.weight,
+                                          self.k_norm.weight, cos, sin, self.q_norm.eps, meta.slot_mapping, cache.k,
+                                          cache.v, backend=self.kernels.fused)
         out = paged_attention(q, cache.k, cache.v, meta, cache.page_size, self.scale,
                               backend=self.kernels.attention, tile_rows=self.kernels.attention_tile)
         out = out.reshape(x.shape[0], -1).to(x.dtype)
