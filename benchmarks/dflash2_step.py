@@ -9,7 +9,8 @@ captured on CUDA (eager elsewhere):
   successors, verify lengths, block tokens) equal the eager step's over the same inputs; a mismatch is an error;
 - timing: DFlash 1 and DFlash 2 steps, DScale over each (budget `--ratio`), greedy and all rows sampled; the
   ratios `dflash2 / dflash1` (acceptance 5: <= 1.05 at N = 8, 16, 32) and `dscale/dflash` of each drafter;
-  `--candidate-chunks C` adds DFlash 2 with its candidates' top-k over C vocabulary slices (`dflash2-sliced`);
+  `--candidate-chunks C` adds DFlash 2 with its candidates' top-k over C vocabulary slices (`dflash2-cC`; 1: one
+  torch.topk, the top-k before the sliced one became the default);
 - `--profile`: both drafters' captured greedy DFlash steps by kernel (`gpu_step.kernel_table`), and the kernels
   whose time differs most between them.
 
@@ -59,14 +60,14 @@ def build_dflash2(bench: Bench, args, seed: int = 7) -> DFlash2DraftModel:
     return drafter
 
 
-CHUNKS: dict[str, int] = {}  # drafter name -> its candidates' top-k slices (`candidate_chunks`; 1 when not named)
+CHUNKS: dict[str, int] = {}  # DFlash 2 drafter name -> its candidates' top-k slices (`candidate_chunks`)
 
 
 def use_drafter(bench: Bench, drafter, name: str) -> None:
     """The bench's drafter for the next runner: `name`'s module with `name`'s top-k slices (read when its steps
     are built: a captured step keeps them)."""
-    if hasattr(drafter, "candidate_chunks"):
-        drafter.candidate_chunks = CHUNKS.get(name, 1)
+    if name in CHUNKS:
+        drafter.candidate_chunks = CHUNKS[name]
     bench.drafter = drafter
 
 
@@ -158,8 +159,9 @@ def parse_args(argv):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--candidate-chunks", type=int, default=0,
-                        help="> 1: also time DFlash 2 with its candidates' top-k over this many vocabulary slices "
-                             "(dflash2.candidate_topk; candidate_chunks(151936, 16) = 1187)")
+                        help=">= 1: also time DFlash 2 with its candidates' top-k over this many vocabulary slices "
+                             "(`dflash2-cC`; 1 = one torch.topk; the default is candidate_chunks(V, k): 1,187 at "
+                             "Qwen3's vocabulary)")
     parser.add_argument("--profile", action="store_true", help="also profile both drafters' greedy DFlash steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -177,9 +179,10 @@ def main(argv=None) -> dict:
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         bench = Bench(SHAPES[args.shape], args.device, dtype, max(args.ns), args.context)
         drafters = {"dflash1": bench.drafter, "dflash2": build_dflash2(bench, args)}
-        if args.candidate_chunks > 1:  # NOTE: the same module, its candidates' top-k over vocabulary slices
-            drafters["dflash2-sliced"] = drafters["dflash2"]
-            CHUNKS["dflash2-sliced"] = args.candidate_chunks
+        CHUNKS["dflash2"] = drafters["dflash2"].candidate_chunks  # NOTE: the drafter's default (`candidate_chunks`)
+        if args.candidate_chunks > 0:  # NOTE: the same module, another top-k setting
+            drafters[f"dflash2-c{args.candidate_chunks}"] = drafters["dflash2"]
+            CHUNKS[f"dflash2-c{args.candidate_chunks}"] = args.candidate_chunks
         sync(bench.device)
         for n in args.ns:
             if bench.device.type == "cuda":  # NOTE: the CPU has no graphs: its steps are the eager ones

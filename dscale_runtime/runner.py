@@ -273,6 +273,7 @@ class BucketStep:
         self.num_rows = budget_rows(b, self.width, runner.budget_ratio) if kind.mode == "dscale" else self.width * b
         self.call: GraphedCall | None = None
         self.features: torch.Tensor | None = None
+        self.block_meta: AttentionMetadata | None = None  # the drafter's block rows of the step being built
         self.max_kv = buffers.max_kv  # key width of the step's metadata: static when captured, else `kv_width`
 
     # ---- the three parts
@@ -281,12 +282,13 @@ class BucketStep:
         selector's scores [B, W-1, K]), drafter hidden states [B, W-1, d], the drafter's policy q over the
         B x (W-1) draft slots (sampled-draft steps only)."""
         r, buf, kind = self.runner, self.buf, self.kind
+        self.block_meta = None
         if kind.mode == "target":
             return buf.anchor.view(-1, 1), None, None, None
         b, w = buf.size, self.width
         block = torch.full((b, w), r.drafter.config.mask_token_id, dtype=torch.long, device=buf.ctx.device)
         block[:, 0] = buf.anchor
-        meta = block_metadata(buf, w, causal=False, max_kv=self.max_kv)
+        meta = self.block_meta = block_metadata(buf, w, causal=False, max_kv=self.max_kv)
         if r.drafter.config.dflash2 is not None:
             # DFlash 2: the selector's walk gives the drafts (greedy, or drawn from its q for sampled-draft rows),
             # its scores [B, W-1, K] stand for the logits in the features, its sparse q for the drafter's policy.
@@ -320,7 +322,7 @@ class BucketStep:
                                            buf.sampling_columns(r.feature_spec))
         if kind.mode != "dscale":
             return Decision(torch.full_like(buf.ctx, w), torch.arange(b, device=block.device) * w, block.reshape(-1),
-                            block_metadata(buf, w, causal=True, max_kv=self.max_kv), features)
+                            self.full_width_metadata(), features)
         scores = r.predictor.scores(features)  # [B, W-1]
         conditionals = conditional_scores(scores)  # [B, W-1] the raw map inputs, returned to the host's watch
         if r.calibration_knots is not None:  # NOTE: the live map, a fixed-address tensor the host rewrites
@@ -362,7 +364,7 @@ class BucketStep:
         if kind.retention:
             # Full-width verification first, only to measure what DVL keeps: the same draws decide it, and the
             # packed pass below rewrites the K/V it shares with it.
-            meta = block_metadata(buf, w, causal=True, max_kv=self.max_kv)
+            meta = self.full_width_metadata()
             logits, _ = r.target(block.reshape(-1), meta, r.target_caches, None, (), float_logits=False)
             full_accepted = self._accept(logits, meta, block, q, torch.full_like(buf.ctx, w),
                                          torch.arange(b, device=block.device) * w)[0]
@@ -376,9 +378,16 @@ class BucketStep:
             keep = (meta.row_req < b) & (meta.row_local <= accepted[req]) & (buf.live[req] > 0)
             scratch = torch.full_like(meta.slot_mapping, SCRATCH_PAGE * buf.page_size)
             r.drafter.inject_context(features, meta.positions, torch.where(keep, meta.slot_mapping, scratch),
-                                     r.drafter_caches)
+                                     r.drafter_caches, meta.rope)
         parts = [torch.stack([accepted, successor, lens, full_accepted], dim=1), block]
         return torch.cat(parts + ([decision.conditionals] if decision.conditionals is not None else []), dim=1)
+
+    def full_width_metadata(self) -> AttentionMetadata:
+        """Causal metadata over every request's W rows: the drafter's block rows' (same positions, slots and
+        lengths), causal, sharing their RoPE tables; built anew in target-only steps (W = 1)."""
+        if self.block_meta is None:
+            return block_metadata(self.buf, self.width, causal=True, max_kv=self.max_kv)
+        return dataclasses.replace(self.block_meta, causal=True)
 
     # ---- the device state around the parts
     def resolve(self) -> None:

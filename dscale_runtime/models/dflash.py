@@ -71,11 +71,13 @@ class DFlashDraftModel(nn.Module):
         positions: torch.Tensor,  # [T]
         slots: torch.Tensor,  # [T]
         caches: list[KVLayerCache],
+        rope: dict | None = None,  # a forward's `AttentionMetadata.rope` over these `positions`: its tables reused
     ) -> None:
         """Write the context K/V of T verified rows into every draft layer's cache."""
         context = self.fuse_context(target_features)
         attn = self.layers[0].self_attn
-        cos_sin = rope_cos_sin(positions, attn.head_dim, attn.rope_theta, context.dtype)
+        key = (attn.head_dim, attn.rope_theta, context.dtype)
+        cos_sin = (rope or {}).get(key) or rope_cos_sin(positions, attn.head_dim, attn.rope_theta, context.dtype)
         for layer, cache in zip(self.layers, caches):
             layer.self_attn.write_kv(context, positions, slots, cache, cos_sin)
 

@@ -231,10 +231,10 @@ class DFlash2DraftModel(DFlashDraftModel):
         sel = cfg.dflash2
         self.candidate_selector = CandidateSelector(cfg.layers.vocab_size, cfg.layers.hidden_size, sel.selector_rank,
                                                     sel.selector_top_k)
-        # NOTE: 1, one torch.topk: the top-k over slices (`candidate_chunks(V, k)`) is exact; with its k slices read
-        # by a gather over an expanded index, the first captured step at Qwen3-8B shape on the H200 hit an illegal
-        # memory access (eager passed); `benchmarks/dflash2_step.py --candidate-chunks` checks and times it
-        self.candidate_chunks = 1
+        # NOTE: the candidates' top-k over vocabulary slices (exact; one torch.topk below CHUNKED_TOPK_VOCAB): at
+        # Qwen3's vocabulary 1,187 slices, captured == eager, and the DFlash 2 step 2-4% faster on the H200
+        # (docs/benchmarks.md, 2026-12-03); `benchmarks/dflash2_step.py --candidate-chunks` times a setting beside
+        self.candidate_chunks = candidate_chunks(cfg.layers.vocab_size, sel.selector_top_k)
 
     def _layer(self, cfg: DFlashConfig, kernels: KernelChoice, tp: TensorParallel | None) -> Qwen3DecoderLayer:
         return DFlash2DecoderLayer(cfg.layers, cfg.dflash2, kernels, tp)
