@@ -1,13 +1,13 @@
 """Fused elementwise ops of the Qwen3 layer behind one API, each beside its portable reference (`*_ref`).
 
-The references are exactly the torch op sequence of `models/layers.py` (every op rounding to the tensor
-dtype): RMSNorm, the residual add before `post_attention_layernorm`, q_norm / k_norm followed by RoPE (alone,
-and with the K/V cache store after it), and the SwiGLU activation. The routers take the path from their caller (`backend=`: the layers pass their
-KernelChoice's `fused`): 'triton' runs the Triton kernels (`triton_fused.py`, imported lazily; on CPU
-tensors that is Triton's interpreter, for tests), 'ref' the reference, and 'auto' (direct calls) applies the
-auto rule to the tensor. No router reads the environment (DSCALE_FUSED is read once, by
-`KernelChoice.resolve`). See `triton_fused.py` for what is bit-identical to the reference and what may
-differ by 1 ulp.
+The references are exactly the torch op sequence of `models/layers.py` (every op rounding to the tensor dtype):
+RMSNorm, the residual add before `post_attention_layernorm`, q_norm / k_norm followed by RoPE (alone, and with
+the K/V cache store after it), and the SwiGLU activation. The routers take the path from their caller
+(`backend=`: the layers pass their KernelChoice's `fused`): 'triton' runs the Triton kernels (`triton_fused.py`,
+imported lazily; on CPU tensors that is Triton's interpreter, for tests), 'ref' the reference, and 'auto' (direct
+calls) applies the auto rule to the tensor. No router reads the environment (DSCALE_FUSED is read once, by
+`KernelChoice.resolve`). See `triton_fused.py` for what is bit-identical to the reference and what may differ by
+1 ulp.
 """
 
 from __future__ import annotations

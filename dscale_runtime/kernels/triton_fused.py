@@ -1,5 +1,6 @@
 """Triton kernels for the Qwen3 layer's elementwise work: RMSNorm (alone and after the residual add), q/k norm
-with RoPE (also fused with the K/V cache store), and SiLU-and-multiply. Each replaces several torch launches by one and rounds where torch rounds.
+with RoPE (also fused with the K/V cache store), and SiLU-and-multiply. Each replaces several torch launches by
+one and rounds where torch rounds.
 
 Every value is computed in fp32 and rounded to the tensor dtype at the points where the torch sequence of
 `fused.py`'s references stores a tensor, so the elementwise arithmetic is bit-identical. What can differ:
@@ -393,7 +394,8 @@ _KERNELS = {"rms_norm": _rms_norm_kernel, "qk_norm_rope": _qk_norm_rope_kernel,
 def compile_offline(kernel: str, dtype: torch.dtype, arch: int = 90, **sizes):
     """Compile one kernel for an NVIDIA target without a GPU (Triton's bundled ptxas), with the wrappers' launch
     options: a CI check of the compiled path. `kernel` and its sizes: 'rms_norm' (dim, add: bool),
-    'qk_norm_rope' and 'qkv_norm_rope_store' (num_heads: q heads + k heads, head_dim), 'silu_mul' (inter). Needs triton imported without TRITON_INTERPRET."""
+    'qk_norm_rope' and 'qkv_norm_rope_store' (num_heads: q heads + k heads, head_dim), 'silu_mul' (inter).
+    Needs triton imported without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
