@@ -28,10 +28,13 @@ def position_labels(accepted: torch.Tensor, num_positions: int) -> torch.Tensor:
     return (accepted[:, None] >= j[None, :]).float()
 
 
-def record_losses(logits: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-    """logits [N, P], accepted [N] -> [N]: each record's mean BCE over the positions + 0.02 x squared count error."""
+def record_losses(logits: torch.Tensor, accepted: torch.Tensor,
+                  position_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, P], accepted [N] -> [N]: each record's mean BCE over the positions + 0.02 x squared count error.
+    `position_weights` [P] (mean 1): the BCE's weighted mean over the positions instead (None: equal weights)."""
     labels = position_labels(accepted, logits.shape[1])
-    bce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").mean(-1)
+    bce = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+    bce = bce.mean(-1) if position_weights is None else (bce * position_weights).sum(-1) / position_weights.sum()
     squared = (torch.sigmoid(logits).sum(-1) - accepted.float()) ** 2
     return bce + MSE_WEIGHT * squared
 
@@ -43,10 +46,18 @@ def predictor_loss(logits: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor
 
 class PredictorModule(L.LightningModule):
     def __init__(self, spec: dict, hidden_sizes: tuple[int, ...] = (240, 128), lr: float = 2e-3,
-                 weight_decay: float = 0.01, mean: np.ndarray | None = None, std: np.ndarray | None = None) -> None:
+                 weight_decay: float = 0.01, mean: np.ndarray | None = None, std: np.ndarray | None = None,
+                 position_weights: list[float] | None = None) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["mean", "std"])
         self.model = AcceptancePredictor(FeatureSpec.from_dict(spec), tuple(hidden_sizes))
+        num_positions = self.model.spec.num_positions
+        if position_weights is not None and (len(position_weights) != num_positions
+                                             or min(position_weights) < 0 or sum(position_weights) <= 0):
+            raise ValueError(f"position_weights needs {num_positions} non-negative weights with a positive sum, got "
+                             f"{list(position_weights)}")
+        weights = None if position_weights is None else torch.tensor(position_weights, dtype=torch.float32)
+        self.register_buffer("position_weights", weights, persistent=False)
         if mean is not None:
             self.model.norm_mean.copy_(torch.as_tensor(mean))
             self.model.norm_std.copy_(torch.as_tensor(std))
@@ -54,7 +65,7 @@ class PredictorModule(L.LightningModule):
     def _losses(self, batch, name: str) -> tuple[torch.Tensor, int]:
         """This rank's part of a global batch -> (its records' loss sum, the global batch size); logs the mean."""
         x, y, global_size = batch  # [n, F], [n], int
-        total = record_losses(self.model(x), y).sum()
+        total = record_losses(self.model(x), y, self.position_weights).sum()
         # NOTE: a weighted mean over batches and ranks (sync_dist): the mean over all records, as on one device;
         # a rank with no records this step logs 0 with weight 0.
         self.log(name, total / max(len(y), 1), batch_size=len(y), prog_bar=True, on_step=False, on_epoch=True,

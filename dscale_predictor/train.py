@@ -60,6 +60,9 @@ class TrainConfig:
     """Folder of the exported artifacts."""
     hidden_sizes: list[int] = field(default_factory=lambda: [240, 128])
     """MLP widths (the default gives ~114K parameters)."""
+    position_weights: list[float] | None = None
+    """Weight of each draft position's BCE term (W - 1 non-negative values; None: equal), e.g. to stress the
+    positions a tight budget cuts at. The weighted mean replaces the plain mean over positions."""
     lr: float = 5e-4
     """AdamW peak learning rate (cosine decay over max_epochs)."""
     weight_decay: float = 0.1
@@ -171,7 +174,8 @@ def _train(cfg: TrainConfig, callbacks: tuple = ()) -> dict | None:
     manifest = dm.splits["train"].manifest
     spec = dm.spec
     identity, projection = _identity(cfg, manifest, spec)
-    module = PredictorModule(spec.to_dict(), tuple(cfg.hidden_sizes), cfg.lr, cfg.weight_decay, dm.mean, dm.std)
+    module = PredictorModule(spec.to_dict(), tuple(cfg.hidden_sizes), cfg.lr, cfg.weight_decay, dm.mean, dm.std,
+                             cfg.position_weights)
     params = sum(p.numel() for p in module.model.parameters() if p.requires_grad)
     # NOTE: save_last: last.ckpt after every epoch's validation, the point an interrupted run resumes from.
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", monitor="val_loss", mode="min", save_top_k=1,

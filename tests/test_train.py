@@ -255,3 +255,26 @@ def test_cli_errors_and_help(monkeypatch, capsys):
         _train_cli(monkeypatch, ["--help"])
     text = capsys.readouterr().out
     assert "--max-epochs" in text and "--configs-dir" in text and "--max_epochs" not in text
+
+
+def test_position_weights_weigh_the_positions_bce():
+    """`position_weights`: equal weights give the DESIGN 3.2 loss; weight on one position alone gives that position's
+    BCE (plus the count term); a wrong number of weights, a negative one or a zero sum is refused by name."""
+    import torch.nn.functional as F
+
+    from dscale_predictor.model import MSE_WEIGHT, PredictorModule, position_labels, record_losses
+
+    gen = torch.Generator().manual_seed(0)
+    logits, accepted = torch.randn(6, 15, generator=gen), torch.tensor([0, 1, 3, 7, 15, 2])
+    plain = record_losses(logits, accepted)
+    assert torch.allclose(record_losses(logits, accepted, torch.full((15,), 2.0)), plain)
+    one = torch.zeros(15)
+    one[2] = 1.0
+    bce = F.binary_cross_entropy_with_logits(logits[:, 2], position_labels(accepted, 15)[:, 2], reduction="none")
+    count = MSE_WEIGHT * (torch.sigmoid(logits).sum(-1) - accepted.float()) ** 2
+    assert torch.allclose(record_losses(logits, accepted, one), bce + count)
+    spec = FeatureSpec().to_dict()
+    assert PredictorModule(spec, (8,), position_weights=[1.0] * 15).position_weights.shape == (15,)
+    for bad in ([1.0] * 14, [-1.0] + [1.0] * 14, [0.0] * 15):
+        with pytest.raises(ValueError, match="position_weights"):
+            PredictorModule(spec, (8,), position_weights=bad)
