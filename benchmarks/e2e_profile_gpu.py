@@ -8,6 +8,7 @@ runtime call that ended each. Engines are built as `benchmarks/demo_gpu_e2e.py` 
 overlap on).
 
     python benchmarks/e2e_profile_gpu.py --concurrency 32 --prompts 64 --max-tokens 128 --out profile.json
+    python benchmarks/e2e_profile_gpu.py --concurrency 8 --modes target --sampling 0.7/0.8   # a filtered point
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo_gpu_e2e import build  # noqa: E402
+from demo_gpu_e2e import build, parse_point  # noqa: E402
 
 from dscale_runtime.config import SamplingParams  # noqa: E402
 from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts  # noqa: E402
@@ -71,7 +72,7 @@ def idle_gaps(kernels: list, runtime: list, min_us: float = 5.0) -> dict:
                              for k, v in sorted(by_call.items(), key=lambda kv: -kv[1][0])[:12]}}
 
 
-def profile_mode(engine, prompts: list[str], params: SamplingParams, top: int) -> dict:
+def profile_mode(engine, prompts: list[str], params: list[SamplingParams], top: int) -> dict:
     engine.generate(prompts, params)  # warm-up
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -128,10 +129,14 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["target", "dflash", "dscale"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--sampling", default="0", help="T, T/top_p or T/top_p/top_k of every request (0 = greedy; "
+                        "sampled requests carry seeds 0, 1, ...)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in stdlib_prompts()[: args.prompts]]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    temperature, top_p, top_k = parse_point(args.sampling)
+    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=args.max_tokens,
+                             ignore_eos=True, seed=i if temperature > 0 else None) for i in range(len(prompts))]
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "modes": {}}
     for mode in args.modes:

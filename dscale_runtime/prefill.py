@@ -182,7 +182,7 @@ class PrefillStep:
             r.drafter.inject_context(features, buf.positions, buf.slot_mapping, r.drafter_caches)
         rows = SamplingRows(buf.rule == RULE_GREEDY, buf.temperature, buf.top_k, buf.top_p, buf.seed_lo, buf.seed_hi,
                             r.sampling_backend)
-        first = target_tokens(logits, rows, buf.draw_pos, self.filtered, self.sampled)[0]
+        first = target_tokens(logits, rows, buf.draw_pos, self.filtered, self.sampled, with_policy=False)[0]
         state = r.state
         state.anchor.index_copy_(0, buf.slots, first)
         state.ctx.index_copy_(0, buf.slots, buf.kv_lens[: buf.requests])

@@ -343,9 +343,10 @@ class BucketStep:
         buf, kind = self.buf, self.kind
         b = buf.size
         rows = buf.sampling_rows(self.runner.sampling_backend)
-        row_rows = rows.rows(meta.row_req.clamp(max=b - 1))
-        # Row at position p predicts the token at index p + 1: that index keys its draw.
-        tokens, policy = target_tokens(logits, row_rows, meta.positions + 1, kind.filtered, kind.sampled)
+        # Row at position p predicts the token at index p + 1: that index keys its draw. Rows past the live
+        # requests (DScale's placeholders) read the last request's parameters; their tokens are never read.
+        tokens, policy = target_tokens(logits, rows, meta.positions, kind.filtered, kind.sampled, index=meta.row_req,
+                                       max_index=b - 1, offset=1, with_policy=kind.draft_sampling)
         accepted, successor = accept_greedy(tokens, block, lens, offsets)
         if kind.draft_sampling:
             w = block.shape[1]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from dscale_runtime.kernels.choice import auto_backend
-from dscale_runtime.kernels.filters import filter_floor, filter_keep_ref, scaled_logits
-from dscale_runtime.kernels.sampling import chunk_exp_sums, keyed_uniforms  # noqa: F401 (re-exported)
+from dscale_runtime.kernels.filters import ROW_PROGRAM_VOCAB, filter_floor, filter_keep_ref, scaled_logits
+from dscale_runtime.kernels.sampling import _PURPOSE_KEY, _SECOND_KEY, chunk_exp_sums, keyed_uniforms  # noqa: F401
 
 # Purposes of a draw (the third key of `keyed_uniforms`): one independent stream each.
 TARGET = 1  # the target's token at a position (target-only sampling, verification rows, the first token)
@@ -209,15 +209,40 @@ def sample_inverse_cdf_ref(weights: torch.Tensor, u: torch.Tensor) -> torch.Tens
 
 
 def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, filtered: bool,
-                  sampled: bool) -> tuple[torch.Tensor, Policy | None]:
+                  sampled: bool, index: torch.Tensor | None = None, max_index: int = 0, offset: int = 0,
+                  with_policy: bool = True) -> tuple[torch.Tensor, Policy | None]:
     """The target's token for every row of logits [R, V] -> (tokens [R], its policy or None).
 
     Greedy rows take the argmax; when `sampled` (a host decision: some row samples) the others take
-    inverse-CDF(policy, u(seed, position, TARGET)), `positions` [R] being the index of the token drawn; every
-    sampler kernel runs on the rows' `backend`."""
+    inverse-CDF(policy, u(seed, position, TARGET)), positions[r] + `offset` being the index of the token drawn;
+    every sampler kernel runs on the rows' `backend`. `rows` are per row of logits, or with `index` [R] per
+    request: row r takes request min(index[r], max_index)'s parameters. The policy comes back when `sampled` and
+    `with_policy` (the sampled-drafts rule reads it).
+
+    A vocabulary of at most ROW_PROGRAM_VOCAB tokens on the Triton path takes one launch for the tokens
+    (`triton_sampling.row_tokens_triton`: argmax, floor, chunk sums, draw and inverse CDF, the unfused kernels'
+    arithmetic), whether or not the policy is also built, so every step and prefill draws a token by one
+    function."""
+    backend = rows.backend
+    if backend == "auto":
+        backend = auto_backend(logits.device, torch.float32)
+    if (backend == "triton" and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] <= ROW_PROGRAM_VOCAB
+            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+        from dscale_runtime.kernels.triton_sampling import row_tokens_triton
+
+        tokens = row_tokens_triton(logits, sampled, filtered, index, max_index, rows.greedy, rows.temperature,
+                                   rows.top_k, rows.top_p, rows.seed_lo, rows.seed_hi, positions, offset,
+                                   TARGET * _PURPOSE_KEY & _MASK32, _SECOND_KEY)
+        if not (sampled and with_policy):
+            return tokens, None
+        return tokens, make_policy(logits, rows if index is None else rows.rows(index.clamp(max=max_index)), filtered)
     if not sampled:
         return logits.argmax(dim=-1), None
+    gathered = rows if index is None else rows.rows(index.clamp(max=max_index))
+    if offset:
+        positions = positions + offset
     row_max, argmax = logits.max(dim=-1)  # NOTE: one read gives the greedy token and the policy's shift
-    policy = make_policy(logits, rows, filtered, row_max=row_max)
-    drawn = sample(policy, rows.uniforms(positions, TARGET), rows.backend)
-    return torch.where(rows.greedy, argmax, drawn), policy
+    policy = make_policy(logits, gathered, filtered, row_max=row_max)
+    drawn = sample(policy, gathered.uniforms(positions, TARGET), gathered.backend)
+    return torch.where(gathered.greedy, argmax, drawn), policy if with_policy else None
+

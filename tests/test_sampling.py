@@ -29,6 +29,7 @@ from dscale_runtime.sampling import (
     sample_inverse_cdf,
     sample_inverse_cdf_ref,
     split_seed,
+    target_tokens,
 )
 from test_engine import pair, prompt_set, small_vocab_pair  # noqa: F401 (fixtures)
 from test_engine_dscale import save_predictor
@@ -183,6 +184,51 @@ def test_sampling_kernel_draws_what_the_two_level_reference_draws(kept, kernel_d
     weights = policy.row_weights(torch.arange(rows, device=device))
     assert (weights.gather(1, got) > 0).all()  # never a zero-weight token
     assert (got == want).float().mean() > 0.99  # the same function up to the sums' rounding order
+
+
+@pytest.mark.gpu  # and on CPU machines through Triton's interpreter
+@needs_triton
+@pytest.mark.parametrize("dtype,vocab", [(torch.bfloat16, 4096), (torch.float32, 3000), (torch.float16, 777)])
+def test_one_launch_row_tokens_draw_what_the_unfused_kernels_draw(dtype, vocab, kernel_device, monkeypatch):
+    """`target_tokens` on a vocabulary of one tile (`row_tokens_triton`, one launch) == the unfused Triton path
+    (max, floor, chunk sums, draws, two-level search) token for token: greedy rows' argmax (ties: the first),
+    sampled rows' draws with and without top-k / top-p, rows mapped to requests by an index (clamped), and the
+    policy beside it equal to the unfused one."""
+    from dscale_runtime import sampling as sampling_module
+
+    device = kernel_device
+    gen = torch.Generator().manual_seed(11)
+    rows, requests, draws = 10, 4, 3 if device == "cpu" else 64
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie at the top: the first index wins
+    logits[1, vocab // 2 :] = float("-inf")  # whole zero-weight chunks
+    logits = logits.to(device)
+    sampling = SamplingRows(torch.tensor([True, False, False, False], device=device),
+                            torch.tensor([1.0, 0.7, 1.3, 0.2], device=device),
+                            torch.tensor([-1, 50, 5, -1], device=device),
+                            torch.tensor([1.0, 0.8, 0.9, 0.5], device=device),
+                            torch.tensor([1, 2**32 - 1, 7, 123456], device=device),
+                            torch.tensor([0, 5, 2**31, 99], device=device), backend="triton")
+    index = torch.tensor([0, 1, 1, 2, 3, 3, 0, 2, 5, 9], device=device)  # past the last request: clamped to it
+    for sampled, filtered in ((False, False), (True, False), (True, True)):
+        for d in range(draws):
+            positions = torch.randint(0, 2**40, (rows,), generator=gen).to(device)
+            got, got_policy = target_tokens(logits, sampling, positions, filtered, sampled, index=index,
+                                            max_index=requests - 1, offset=1)
+            with monkeypatch.context() as m:
+                m.setattr(sampling_module, "ROW_PROGRAM_VOCAB", 0)
+                want, want_policy = target_tokens(logits, sampling, positions, filtered, sampled, index=index,
+                                                  max_index=requests - 1, offset=1)
+            assert torch.equal(got, want), (sampled, filtered, d)
+            assert got[0] == 5  # greedy: the first of two maximal logits
+            assert torch.equal(got[[0, 6]], logits[[0, 6]].argmax(-1))  # rows of the greedy request
+            if sampled and d == 0:
+                assert torch.equal(got_policy.chunk_sums, want_policy.chunk_sums)
+                assert (got_policy.floor is None) == (want_policy.floor is None)
+                if filtered:
+                    assert torch.equal(got_policy.floor, want_policy.floor)
+            if not sampled:
+                assert got_policy is None and torch.equal(got, logits.argmax(-1))
 
 
 def test_policy_applies_temperature_top_k_and_top_p():

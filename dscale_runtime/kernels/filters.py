@@ -37,6 +37,7 @@ MASS_BITS = 40  # a weight w counts as floor(w * 2^MASS_BITS) mass units
 KEY_BITS = 31  # order keys: the bits of |s| (sign dropped; s <= 0)
 DIGITS = (11, 10, 10)  # bits per radix round, most significant first (sum = KEY_BITS)
 KEY_ALL = 0x7F800000  # the key of s = -inf: a threshold there keeps every token
+ROW_PROGRAM_VOCAB = 8192  # Triton: rows of at most this many tokens take one program per row (one launch)
 
 
 def scaled_logits(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:

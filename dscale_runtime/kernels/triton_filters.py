@@ -30,10 +30,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dscale_runtime.kernels.filters import DIGITS, KEY_ALL, KEY_BITS, MASS_BITS
+from dscale_runtime.kernels.filters import DIGITS, KEY_ALL, KEY_BITS, MASS_BITS, ROW_PROGRAM_VOCAB
 
 BLOCK = 1024  # tokens per tile
-ROW_PROGRAM_VOCAB = 8192  # rows of at most this many tokens: `_row_kernel` (one program per row, one launch)
 TARGET_PROGRAMS = 1024  # a round splits each row into parts so that about this many programs run
 _STAGE_BINS = DIGITS + DIGITS  # stages 0-2: top-k rounds; 3-5: top-p rounds
 _STAGE_OFFSETS = tuple(sum(1 << b for b in _STAGE_BINS[:i]) for i in range(6))
@@ -176,25 +175,17 @@ def _key16_floor(v, shift, inv_t, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _row_kernel(logits, shift, inv_t, top_k, top_p, floor, vocab, stride_row, KEY_ALL: tl.constexpr,
-                KEY_BITS: tl.constexpr, SCALE: tl.constexpr, VBLOCK: tl.constexpr, ACCURATE: tl.constexpr,
-                KEY16: tl.constexpr, DTYPE: tl.constexpr):
-    """Both floors of one row whose tokens fit one tile (`ROW_PROGRAM_VOCAB`): one program per row, no scratch.
+def _row_floor(raw, inside, m, it, k, p, vocab, KEY_ALL: tl.constexpr, KEY_BITS: tl.constexpr, SCALE: tl.constexpr,
+               ACCURATE: tl.constexpr, KEY16: tl.constexpr, DTYPE: tl.constexpr):
+    """Both floors of one row held in registers: raw [VBLOCK] logits (their own dtype; `inside` masks the
+    vocabulary), shift m, inverse temperature it, top_k k, top_p p -> the row's floor (fp32, -inf: no filter).
     With KEY16 (bf16 / fp16 logits) the searches run over the logits' own 16-bit order (16 steps, not 31): s is
     non-decreasing in the logit, so the smallest key reaching a target is a logit whose s is the floor the
     31-bit search over s finds (logits that the scaling maps to one s count together either way)."""
-    row = tl.program_id(0)
-    k = tl.load(top_k + row).to(tl.int64)
-    p = tl.load(top_p + row)
     k_on = (k > 0) & (k < vocab)
     p_on = p < 1.0
     floor_out = tl.full((), float("-inf"), tl.float32)
     if k_on | p_on:
-        offs = tl.arange(0, VBLOCK)
-        inside = offs < vocab
-        m = tl.load(shift + row)
-        it = tl.load(inv_t + row)
-        raw = tl.load(logits + row.to(tl.int64) * stride_row + offs, mask=inside, other=0.0)
         s = (raw.to(tl.float32) - m) * it
         if KEY16:
             key = tl.where(inside, _logit_key16(raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF).to(tl.int64),
@@ -222,7 +213,22 @@ def _row_kernel(logits, shift, inv_t, top_k, top_p, floor, vocab, stride_row, KE
             else:
                 floor_p = -(tl.minimum(v, KEY_ALL).to(tl.int32).to(tl.float32, bitcast=True))
             floor_out = tl.maximum(floor_p, floor_k)
-    tl.store(floor + row, floor_out)
+    return floor_out
+
+
+@triton.jit
+def _row_kernel(logits, shift, inv_t, top_k, top_p, floor, vocab, stride_row, KEY_ALL: tl.constexpr,
+                KEY_BITS: tl.constexpr, SCALE: tl.constexpr, VBLOCK: tl.constexpr, ACCURATE: tl.constexpr,
+                KEY16: tl.constexpr, DTYPE: tl.constexpr):
+    """Both floors of one row whose tokens fit one tile (`ROW_PROGRAM_VOCAB`): one program per row, no scratch
+    (`_row_floor`)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, VBLOCK)
+    inside = offs < vocab
+    raw = tl.load(logits + row.to(tl.int64) * stride_row + offs, mask=inside, other=0.0)
+    tl.store(floor + row, _row_floor(raw, inside, tl.load(shift + row), tl.load(inv_t + row),
+                                     tl.load(top_k + row).to(tl.int64), tl.load(top_p + row), vocab, KEY_ALL, KEY_BITS,
+                                     SCALE, ACCURATE, KEY16, DTYPE))
 
 
 def interpreted() -> bool:

@@ -18,7 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dscale_runtime.kernels.filters import KEY_ALL, KEY_BITS, MASS_BITS, ROW_PROGRAM_VOCAB
+from dscale_runtime.kernels.triton_filters import _DTYPES16, _row_floor
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ROW_TOKENS_VOCAB = ROW_PROGRAM_VOCAB  # rows of at most this many tokens: `row_tokens_triton` (one launch in all)
 
 
 @triton.jit
@@ -99,6 +103,75 @@ def _sample_kernel(values, shift, inv_t, floor, chunk_sums, u, out, vocab, strid
     tl.store(out + row, (at * CHUNK + k).to(tl.int64))
 
 
+@triton.jit
+def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temperature, top_k, top_p, seed_lo,
+                       seed_hi, positions, offset, out, key, second_key, SAMPLED: tl.constexpr, FILTERED: tl.constexpr,
+                       INDEXED: tl.constexpr,
+                       CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, VBLOCK: tl.constexpr,
+                       KEY_ALL: tl.constexpr, KEY_BITS: tl.constexpr, SCALE: tl.constexpr, ACCURATE: tl.constexpr,
+                       KEY16: tl.constexpr, DTYPE: tl.constexpr):
+    """The target's token of one row whose vocabulary fits one tile: its argmax (the first maximal entry), or
+    for a sampled row the inverse-CDF draw the unfused path makes, step by step in the same arithmetic (the row's
+    floor as `triton_filters._row_kernel`, the chunk sums as `_chunk_exp_sums_kernel`, the uniform as
+    `_keyed_uniforms_kernel`, the two-level search as `_sample_kernel`)."""
+    row = tl.program_id(0)
+    base = logits + row.to(tl.int64) * stride_row
+    offs = tl.arange(0, VBLOCK)
+    inside = offs < vocab
+    raw = tl.load(base + offs, mask=inside, other=float("-inf"))
+    x = raw.to(tl.float32)
+    token = tl.argmax(x, 0, tie_break_left=True).to(tl.int64)
+    if SAMPLED:
+        req = row
+        if INDEXED:
+            req = tl.minimum(tl.load(index + row), max_index)
+        if tl.load(greedy + req) == 0:
+            m = tl.max(x, 0)
+            # NOTE: IEEE division, as torch's 1 / T.clamp_min(1e-6) (`sampling._inv_t`)
+            it = tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.maximum(tl.load(temperature + req), 1e-6))
+            floor = tl.full((), float("-inf"), tl.float32)
+            if FILTERED:
+                floor = _row_floor(raw, inside, m, it, tl.load(top_k + req).to(tl.int64), tl.load(top_p + req), vocab,
+                                   KEY_ALL, KEY_BITS, SCALE, ACCURATE, KEY16, DTYPE)
+            c = tl.arange(0, BLOCK_C)
+            sums = tl.zeros([BLOCK_C], tl.float64)
+            for i in tl.static_range(NUM_CHUNKS):
+                co = i * CHUNK + tl.arange(0, CHUNK)
+                sc = (tl.load(base + co, mask=co < vocab, other=float("-inf")).to(tl.float32) - m) * it
+                e = tl.exp(sc)
+                if FILTERED:
+                    e = tl.where(sc >= floor, e, 0.0)
+                sums = tl.where(c == i, tl.sum(e, 0).to(tl.float64), sums)
+            lo = tl.load(seed_lo + req).to(tl.uint64) & 0xFFFFFFFF
+            hi = tl.load(seed_hi + req).to(tl.uint64) & 0xFFFFFFFF
+            pos = (tl.load(positions + row) + offset).to(tl.uint64) & 0xFFFFFFFF
+            h = _mix32(lo ^ _mix32(hi ^ _mix32(pos ^ _mix32(tl.full((), key, tl.uint64)))))
+            h2 = _mix32(h ^ second_key)
+            u = (((h >> 11) << 32) | h2).to(tl.float64) * (1.0 / 9007199254740992.0)
+            valid = c < NUM_CHUNKS
+            cum = tl.cumsum(sums, 0)
+            positive = valid & (sums > 0)
+            last = tl.max(tl.where(positive, c, -1), 0)
+            total = tl.max(tl.where(c == last, cum, 0.0), 0)
+            value = u * total
+            at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
+            prefix = tl.sum(tl.where(c < at, sums, 0.0), 0)
+            lane = tl.arange(0, CHUNK)
+            co = at * CHUNK + lane
+            chunk_in = co < vocab
+            sl = (tl.load(base + co, mask=chunk_in, other=float("-inf")).to(tl.float32) - m) * it
+            w = tl.exp(sl).to(tl.float64)
+            if FILTERED:
+                w = tl.where(sl >= floor, w, 0.0)
+            w = tl.where(chunk_in, w, 0.0)
+            local = tl.cumsum(w, 0) + prefix
+            live = w > 0
+            k = tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0),
+                           tl.max(tl.where(live, lane, -1), 0))
+            token = (at * CHUNK + k).to(tl.int64)
+    tl.store(out + row, token)
+
+
 def interpreted() -> bool:
     """Whether the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
     return not isinstance(_chunk_exp_sums_kernel, triton.runtime.JITFunction)
@@ -166,4 +239,44 @@ def sample_triton(values: torch.Tensor, shift: torch.Tensor | None, inv_t: torch
                                 u.double().contiguous(), out, vocab, values.stride(0), chunk_sums.shape[1],
                                 LOGITS=logits, FLOOR=floored, CHUNK=chunk,
                                 BLOCK_C=triton.next_power_of_2(chunk_sums.shape[1]), num_warps=4)
+    return out
+
+
+def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index: torch.Tensor | None = None,
+                      max_index: int = 0, greedy: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
+                      top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                      seed_lo: torch.Tensor | None = None, seed_hi: torch.Tensor | None = None,
+                      positions: torch.Tensor | None = None, offset: int = 0, key: int = 0, second_key: int = 0,
+                      chunk: int = 1024) -> torch.Tensor:
+    """The target's token of every row of logits [R, V] (V <= ROW_TOKENS_VOCAB, contiguous rows) in one launch: the
+    argmax, or with `sampled` the keyed inverse-CDF draw of `sampling.target_tokens`'s unfused path for rows whose
+    request is not greedy. Row r reads its request's parameters (greedy / temperature / top_k / top_p / seeds
+    [B]) at min(index[r], max_index) (index None: at r) and draws at positions[r] + offset with the 32-bit `key` of its purpose."""
+    rows, vocab = logits.shape
+    assert vocab <= ROW_TOKENS_VOCAB and logits.stride(-1) == 1 and chunk & (chunk - 1) == 0
+    if logits.dtype not in _DTYPES:
+        raise ValueError(f"Triton row tokens take {_DTYPES} logits, got {logits.dtype}: use DSCALE_FUSED=ref "
+                         "(KernelChoice.fused='ref')")
+    if not logits.is_cuda and not interpreted():
+        raise RuntimeError("Triton row tokens on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if rows == 0:
+        return out
+    if sampled:
+        params = (out if index is None else index.long().contiguous(), max_index, greedy.contiguous(), temperature.float().contiguous(),
+                  top_k.long().contiguous(), top_p.float().contiguous(), seed_lo.long().contiguous(),
+                  seed_hi.long().contiguous(), positions.long().contiguous(), offset)
+    else:  # NOTE: never read without SAMPLED
+        params = (out, 0, out, out, out, out, out, out, out, 0)
+    num_chunks = -(-vocab // chunk)
+    key16 = logits.dtype in _DTYPES16
+    # NOTE: 4 warps as the unfused kernels: the chunk sums and scans then add in their order (same draws)
+    _row_tokens_kernel[(rows,)](logits, logits.stride(0), vocab, *params, out, key, second_key, SAMPLED=sampled,
+                                FILTERED=sampled and filtered, INDEXED=index is not None, CHUNK=chunk, NUM_CHUNKS=num_chunks,
+                                BLOCK_C=triton.next_power_of_2(num_chunks),
+                                VBLOCK=max(triton.next_power_of_2(vocab), chunk), KEY_ALL=KEY_ALL,
+                                KEY_BITS=16 if key16 else KEY_BITS, SCALE=float(2**MASS_BITS),
+                                ACCURATE=not interpreted(), KEY16=key16,
+                                DTYPE=_DTYPES16.get(logits.dtype, tl.float16), num_warps=4)
     return out
