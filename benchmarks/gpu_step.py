@@ -142,9 +142,9 @@ def build_models(shape: ModelShape, device, dtype, kernels: KernelChoice, seed: 
 
 
 def random_predictor(spec: FeatureSpec, device, seed: int = 0) -> AcceptancePredictor:
-    """A predictor of the artifact's shape (240, 128 hidden units) with seeded random weights."""
+    """A predictor of the artifact's shape (224, 128 hidden units) with seeded random weights."""
     torch.manual_seed(seed)
-    return AcceptancePredictor(spec, (240, 128)).to(device).eval().requires_grad_(False)
+    return AcceptancePredictor(spec, (224, 128)).to(device).eval().requires_grad_(False)
 
 
 def fit_normalisation(predictor: AcceptancePredictor, features: torch.Tensor) -> None:
@@ -543,11 +543,11 @@ def decision_parts(run: Run, bench: Bench, step, block, logits, hidden, cuda: bo
     """Where the decision's time goes, each part timed alone (captured on CUDA): the confidence features
     through the reference and (where it runs) the fused kernel, the whole feature vector, the predictor and
     seeds, Algorithm 1, flat-pack with its metadata (the functions `BucketStep.decide` calls)."""
-    from dscale_runtime.dvl.features import acceptance_features, confidence_features, confidence_features_ref
+    from dscale_runtime.dvl.features import confidence_features, confidence_features_ref
     from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 
     args, spec, buf = run.args, bench.spec, step.buf
-    features = acceptance_features(spec, logits, hidden, bench.projection, buf.context, sampling=buf.sampling_columns(spec))
+    features = step.acceptance_features(block, logits, hidden)
     scores = bench.predictor.scores(features)
     seeds = seed_lengths(scores, BLOCK)
     live = buf.live > 0
@@ -555,8 +555,7 @@ def decision_parts(run: Run, bench: Bench, step, block, logits, hidden, cuda: bo
     parts = {
         "confidence ref": lambda: confidence_features_ref(logits, spec.num_ranks),
         "confidence triton": lambda: confidence_features(logits, spec.num_ranks, backend="triton"),
-        "features (served)": lambda: acceptance_features(spec, logits, hidden, bench.projection, buf.context,
-                                                         bench.served.features, buf.sampling_columns(spec)),
+        "features (served)": lambda: step.acceptance_features(block, logits, hidden, bench.served.features),
         "predictor + seeds": lambda: seed_lengths(bench.predictor.scores(features), BLOCK),
         "allocate": lambda: allocate(scores, seeds, live, buf.budget),
         "pack + metadata": lambda: packed_metadata(flat_pack(lens, block, buf.ctx, buf.block_tables, step.num_rows,
@@ -880,11 +879,8 @@ def run_benchmark(args) -> dict:
 
 
 def normalise(bench: Bench, n: int) -> None:
-    from dscale_runtime.dvl.features import acceptance_features
-
-    step, (_, logits, hidden, _) = eager_step(bench, n, 1.0, "dflash")
-    fit_normalisation(bench.predictor, acceptance_features(bench.spec, logits, hidden, bench.projection,
-                                                           step.buf.context, sampling=step.buf.sampling_columns(bench.spec)))
+    step, (block, logits, hidden, _) = eager_step(bench, n, 1.0, "dflash")
+    fit_normalisation(bench.predictor, step.acceptance_features(block, logits, hidden))
 
 
 def format_table(result: dict) -> str:

@@ -2,7 +2,7 @@
 loss as dscale-train on the same prompt-disjoint split, varied one way at a time, against the bound.
 
 Variants (`--variants`):
-- base: the trace's features, dscale-train's widths [240, 128] (~114K parameters);
+- base: the trace's features, dscale-train's widths [224, 128] (~114K parameters over v3's 371 columns);
 - wide: widths [1024, 512, 256] (~1M parameters): is the model's capacity the limit?
 - lag: the request's previous step's confidence columns appended (0 and a flag where it has none): does more
   history than the last accepted counts help?
@@ -29,7 +29,7 @@ from dscale_predictor.evaluate import retention_table
 from dscale_predictor.model import record_losses
 from dscale_runtime.dvl.features import FeatureSpec
 
-WIDTHS = {"base": (240, 128), "wide": (1024, 512, 256), "lag": (240, 128), "nohidden": (240, 128)}
+WIDTHS = {"base": (224, 128), "wide": (1024, 512, 256), "lag": (224, 128), "nohidden": (224, 128)}
 
 
 def lagged(features: np.ndarray, prompt_id: np.ndarray, temperature: np.ndarray, spec: FeatureSpec) -> np.ndarray:

@@ -45,7 +45,7 @@ def predictor_loss(logits: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor
 
 
 class PredictorModule(L.LightningModule):
-    def __init__(self, spec: dict, hidden_sizes: tuple[int, ...] = (240, 128), lr: float = 2e-3,
+    def __init__(self, spec: dict, hidden_sizes: tuple[int, ...] = (224, 128), lr: float = 2e-3,
                  weight_decay: float = 0.01, mean: np.ndarray | None = None, std: np.ndarray | None = None,
                  position_weights: list[float] | None = None) -> None:
         super().__init__()

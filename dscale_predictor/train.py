@@ -58,7 +58,7 @@ class TrainConfig:
     """Artifacts are written as <artifacts_dir>/<export_name>.pt and .onnx."""
     artifacts_dir: str = "artifacts"
     """Folder of the exported artifacts."""
-    hidden_sizes: list[int] = field(default_factory=lambda: [240, 128])
+    hidden_sizes: list[int] = field(default_factory=lambda: [224, 128])
     """MLP widths (the default gives ~114K parameters)."""
     position_weights: list[float] | None = None
     """Weight of each draft position's BCE term (W - 1 non-negative values; None: equal), e.g. to stress the

@@ -587,8 +587,13 @@ class Engine:
             start = request.num_computed
             tokens = request.prefill_token_ids[start : start + request.prefill_chunk]
             done = not request.output_token_ids and start + len(tokens) == len(request.prompt_token_ids)
-            chunks.append(PrefillChunk(tokens, start, request.pages, request.slot if done else None, request.sampling,
-                                       len(request.prompt_token_ids)))
+            chunk = PrefillChunk(tokens, start, request.pages, request.slot if done else None, request.sampling,
+                                 len(request.prompt_token_ids))
+            end = len(request.prefill_token_ids)
+            if self.runner.token_ring and start + len(tokens) == end:  # NOTE: the v3 features' ring starts here
+                chunk.tail_slot, chunk.tail_end = request.slot, end
+                chunk.tail = request.prefill_token_ids[max(0, end - self.runner.token_ring) :]
+            chunks.append(chunk)
         first = self.prefiller.run(chunks)
         self.counters.prefill_tokens += sum(len(c.tokens) for c in chunks)
         for request, chunk in zip(requests, chunks):
@@ -742,7 +747,7 @@ class Engine:
                                  [result.verify_lens[i] for i in live])
         if self.step_observers and result.features is not None:
             trace = StepTrace([r.request_id for r in requests], decode_steps, ctx, len(requests), result.features,
-                              result.accepted, result.verify_lens)
+                              result.accepted, result.verify_lens, result.drafts)
             for observer in self.step_observers:
                 observer(trace)
         return finished

@@ -67,17 +67,23 @@ class PrefillChunk:
     slot: int | None = None  # None: the prompt goes on in a later chunk (or was preempted): no draw
     sampling: tuple = (0, 0, -1, RULE_GREEDY, 1.0, 1.0)
     draw_pos: int = 0
+    tail_slot: int | None = None  # the state slot whose token ring takes `tail` (its prefill ends here), or None
+    tail: tuple[int, ...] | list[int] = ()  # the last (up to) R tokens before position `tail_end`
+    tail_end: int = 0
 
 
 class PrefillBuffers:
     """Fixed-address inputs of one token bucket (T rows, R request slots + the pseudo request)."""
 
-    def __init__(self, tokens: int, requests: int, max_pages: int, page_size: int, device: torch.device) -> None:
+    def __init__(self, tokens: int, requests: int, max_pages: int, page_size: int, device: torch.device,
+                 tail_width: int = 0) -> None:
         from dscale_runtime.runner import _Staging  # NOTE: the decode buffers' staging (pinned, alternating)
 
         self.tokens, self.requests, self.max_pages, self.page_size = tokens, requests, max_pages, page_size
+        self.tail_width = tail_width  # the token ring's width R (v3 features), 0 without one
         t, n = tokens, requests + 1
-        self.n_int = len(INT_FIELDS) * t + len(REQ_FIELDS) * n + n * max_pages + len(SLOT_FIELDS) * requests
+        self.n_int = (len(INT_FIELDS) * t + len(REQ_FIELDS) * n + n * max_pages + len(SLOT_FIELDS) * requests
+                      + requests * (2 + tail_width))
         self.n_float = len(FLOAT_FIELDS) * requests
         on_cpu = device.type == "cpu"
         self.stagings = [_Staging(self.n_int, self.n_float, not on_cpu) for _ in range(1 if on_cpu else 2)]
@@ -99,9 +105,10 @@ class PrefillBuffers:
             at += n
         setattr(into, "block_tables", ints[at : at + n * self.max_pages].reshape(n, self.max_pages))
         at += n * self.max_pages
-        for name in SLOT_FIELDS:
+        for name in SLOT_FIELDS + ("tail_slots", "tail_end"):
             setattr(into, name, ints[at : at + r])
             at += r
+        setattr(into, "tail", ints[at : at + r * self.tail_width].reshape(r, self.tail_width))
         for i, name in enumerate(FLOAT_FIELDS):
             setattr(into, name, floats[i * r : (i + 1) * r])
 
@@ -144,6 +151,13 @@ class PrefillBuffers:
         h.query_lens[r], h.kv_lens[r] = pad, 1
         h.last_rows[:n] = starts + lens - 1
         h.slots[:] = dummy_slot
+        h.tail_slots[:] = dummy_slot
+        for i, c in enumerate(chunks):
+            if c.tail_slot is not None and self.tail_width:
+                tail = c.tail[len(c.tail) - self.tail_width :] if len(c.tail) > self.tail_width else c.tail
+                h.tail_slots[i], h.tail_end[i] = c.tail_slot, c.tail_end
+                if len(tail):
+                    h.tail[i, self.tail_width - len(tail) :] = tail
         h.temperature[:] = 1.0
         h.top_p[:] = 1.0
         h.top_k[:] = -1
@@ -188,6 +202,9 @@ class PrefillStep:
         state.ctx.index_copy_(0, buf.slots, buf.kv_lens[: buf.requests])
         if state.history is not None:
             state.history.index_fill_(0, buf.slots, 0.0)
+        if buf.tail_width:  # the token ring: position tail_end - R + k sits in column (tail_end + k) % R
+            columns = (buf.tail_end[:, None] + torch.arange(buf.tail_width, device=first.device)) % buf.tail_width
+            state.tokens.index_put_((buf.tail_slots[:, None].expand(-1, buf.tail_width), columns), buf.tail)
         return first
 
     def build(self, use_graph: bool, pool=None) -> "PrefillStep":
@@ -210,6 +227,7 @@ class PrefillRunner:
         self.target, self.drafter = target, drafter
         self.target_caches, self.drafter_caches = target_caches, drafter_caches
         self.state, self.capture_layers = state, capture_layers
+        self.tail_width = state.tokens.shape[1] if state.tokens is not None else 0  # the v3 features' token ring
         self.sampling_backend = target.kernels.fused
         self.max_requests, self.max_pages, self.page_size = max_requests, max_pages, page_size
         self.buckets = sorted(buckets) if buckets else []
@@ -250,7 +268,7 @@ class PrefillRunner:
         if key not in self.steps:
             if tokens not in self.buffers:
                 self.buffers[tokens] = PrefillBuffers(tokens, self._requests_of(tokens), self.max_pages,
-                                                      self.page_size, self.device)
+                                                      self.page_size, self.device, self.tail_width)
             self.steps[key] = PrefillStep(self, self.buffers[tokens], sampled, filtered).build(self.use_graphs,
                                                                                                self.pool)
         return self.steps[key]
@@ -316,7 +334,7 @@ class PrefillRunner:
         else:  # NOTE: above the largest bucket, or unpadded: the same step, eager, on buffers of this size
             self.eager_calls += 1
             rows = -(-total // ROW_ALIGN) * ROW_ALIGN if self.pad else total
-            buffers = PrefillBuffers(rows, n, self.max_pages, self.page_size, self.device)
+            buffers = PrefillBuffers(rows, n, self.max_pages, self.page_size, self.device, self.tail_width)
             bounds = None if self.pad else (max(len(c.tokens) for c in chunks),
                                             max(c.start + len(c.tokens) for c in chunks))
             step = PrefillStep(self, buffers, sampled, filtered, bounds).build(False)

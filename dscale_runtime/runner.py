@@ -35,7 +35,7 @@ import torch
 from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.dvl.allocate import allocate, budget_rows
 from dscale_runtime.dvl.calibration import calibrated_scores, conditional_scores, identity_knots, pack_unit, unpack_unit
-from dscale_runtime.dvl.features import acceptance_features, sampling_features
+from dscale_runtime.dvl.features import acceptance_features, agreement_features, sampling_features
 from dscale_runtime.dvl.pack import flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import seed_lengths
 from dscale_runtime.graphs import GraphedCall, collect_garbage, cuda_times
@@ -215,13 +215,18 @@ class DeviceState:
     anchor, the context length and (DScale) the request's context-feature history, written by every step from
     its verified results so the next step can start before the host has read them (DESIGN: the overlap
     schedule). Rows: anchor [S + 1], ctx [S + 1], history [S + 1, C] float32 with `context_features`' columns
-    2.. (decode steps, history length, most recent accepted counts first); columns 0-1 are rebuilt per step."""
+    2.. (decode steps, history length, most recent accepted counts first); columns 0-1 are rebuilt per step; with
+    the v3 features, tokens [S + 1, R]: a ring of each request's last R tokens (`BucketStep.token_window`)."""
 
-    def __init__(self, num_slots: int, num_context: int, device: torch.device, with_history: bool) -> None:
+    def __init__(self, num_slots: int, num_context: int, device: torch.device, with_history: bool,
+                 token_window: int = 0) -> None:
         self.dummy = num_slots
         self.anchor = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
         self.ctx = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
         self.history = torch.zeros(num_slots + 1, num_context, dtype=torch.float32, device=device) if with_history else None
+        # v3 features: each request's last `token_window` tokens, the token at position p in column p % token_window
+        # (written by the prefill's tail and every step's anchor and accepted drafts; the dummy row takes junk)
+        self.tokens = torch.zeros(num_slots + 1, token_window, dtype=torch.long, device=device) if token_window else None
 
     def start(self, slots: torch.Tensor, anchors: torch.Tensor, ctx: torch.Tensor) -> None:
         """A request's state right after its prefill: anchor = its first generated token, no decode step yet."""
@@ -318,8 +323,7 @@ class BucketStep:
         b, w = buf.size, self.width
         features = None
         if kind.mode == "dscale" or kind.features:
-            features = acceptance_features(r.feature_spec, logits, hidden, r.projection, buf.context, r.features_backend,
-                                           buf.sampling_columns(r.feature_spec))
+            features = self.acceptance_features(block, logits, hidden)
         if kind.mode != "dscale":
             return Decision(torch.full_like(buf.ctx, w), torch.arange(b, device=block.device) * w, block.reshape(-1),
                             self.full_width_metadata(), features)
@@ -390,6 +394,25 @@ class BucketStep:
             return block_metadata(self.buf, self.width, causal=True, max_kv=self.max_kv)
         return dataclasses.replace(self.block_meta, causal=True)
 
+    def acceptance_features(self, block: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
+                            backend: str | None = None) -> torch.Tensor:
+        """The feature rows [B, spec.width] of the drafted block (`dvl.features`; the v3 agreement columns read the
+        token ring); `backend`: the confidence columns' path (default: the runner's)."""
+        r, buf = self.runner, self.buf
+        spec = r.feature_spec
+        agreement = agreement_features(spec, *self.token_window(), block) if spec.num_agreement else None
+        return acceptance_features(spec, logits, hidden, r.projection, buf.context, backend or r.features_backend,
+                                   buf.sampling_columns(spec), agreement)
+
+    def token_window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's tokens at positions ctx - R + 1 .. ctx from the device state's ring (the anchor last,
+        from the buffers) -> (tokens [B, R] int64, valid [B, R]: False before the sequence's start)."""
+        buf, ring = self.buf, self.runner.state.tokens
+        r = ring.shape[1]
+        positions = buf.ctx[:, None] + torch.arange(1 - r, 1, device=ring.device)  # [B, R]
+        tokens = ring[buf.slot].gather(1, positions % r)
+        return torch.cat([tokens[:, :-1], buf.anchor[:, None]], dim=1), positions >= 0
+
     # ---- the device state around the parts
     def resolve(self) -> None:
         """Rows whose `host` flag is 0 take anchor, ctx and context from the device state (the results of a step
@@ -404,9 +427,14 @@ class BucketStep:
             row[:, 1] = buf.ctx.float()
             buf.context.copy_(torch.where(ahead[:, None], row, buf.context))
 
-    def advance(self, accepted: torch.Tensor, successor: torch.Tensor) -> None:
-        """Write each request's next state (anchor = successor, ctx + accepted + 1, one more history entry)."""
+    def advance(self, accepted: torch.Tensor, successor: torch.Tensor, block: torch.Tensor) -> None:
+        """Write each request's next state (anchor = successor, ctx + accepted + 1, one more history entry, and
+        the anchor and accepted drafts of `block` [B, W] into the token ring)."""
         buf, state = self.buf, self.runner.state
+        if state.tokens is not None:
+            slots = torch.arange(block.shape[1], device=block.device)
+            rows = torch.where(slots <= accepted[:, None], buf.slot[:, None], state.dummy)  # the rest: the dummy row
+            state.tokens.index_put_((rows, (buf.ctx[:, None] + slots) % state.tokens.shape[1]), block)
         state.anchor.index_copy_(0, buf.slot, successor)
         state.ctx.index_copy_(0, buf.slot, buf.ctx + accepted + 1)
         if state.history is not None:
@@ -425,7 +453,7 @@ class BucketStep:
         block, logits, hidden, q = self.draft()
         decision = self.decide(block, logits, hidden)
         result = self.verify(block, q, decision)
-        self.advance(result[:, 0], result[:, 1])
+        self.advance(result[:, 0], result[:, 1], block)
         self.features = decision.features if self.kind.features else None
         return result
 
@@ -520,7 +548,10 @@ class StepRunner:
         self.steps: dict[tuple[int, StepKind], BucketStep] = {}
         self.last_key: tuple[int, StepKind] | None = None  # the (bucket, kind) of the latest step
         # DScale's measured policy (`prepare` with graphs): bucket -> 'dscale' or 'dflash', and the step times
-        self.state = DeviceState(max_batch, feature_spec.num_context, self.device, with_history=mode == "dscale")
+        # NOTE: the token ring only where the v3 features can be computed (speculative steps)
+        self.token_ring = feature_spec.agreement_window if feature_spec.num_agreement and mode != "target" else 0
+        self.state = DeviceState(max_batch, feature_spec.num_context, self.device, with_history=mode == "dscale",
+                                 token_window=self.token_ring)
         # Launched steps of each device-state row whose results the host has not read yet (`PendingStep.result`):
         # each may have advanced the row's ctx by up to a block, the bound of eager steps' keys (`launch`).
         self.unread = np.zeros(max_batch + 1, dtype=np.int64)

@@ -51,6 +51,8 @@ class StepTrace:
     accepted_lens: list[int]
     """Accepted drafts of each request in this step (full-width verification in dflash mode)."""
     verify_lens: list[int]
+    blocks: list[list[int]] | None = None
+    """Each request's block: the anchor and its drafts."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dscale_runtime.dvl.features import (
     FEATURE_VERSION,
     FeatureSpec,
     acceptance_features,
+    agreement_features,
     context_features,
     hidden_projection,
     sampling_features,
@@ -66,12 +67,15 @@ def test_features_equal_slow_reference(legacy):
     ctx = context_features(spec, n, [10, 200, 7], [0, 5, 2], [[], [3, 0, 15, 4, 9], [1, 2]], "cpu")
     sampling = None if legacy else sampling_features(spec, torch.tensor([0.0, 1.0, 0.7]),
                                                      torch.tensor([False, True, False]))
-    got = acceptance_features(spec, logits, hidden, proj, ctx, sampling=sampling)
+    agreement = None if legacy else torch.arange(n * spec.num_agreement, dtype=torch.float32).view(n, -1)
+    got = acceptance_features(spec, logits, hidden, proj, ctx, sampling=sampling, agreement=agreement)
     want = features_slow(logits.numpy(), hidden.numpy(), proj.numpy(), ctx.numpy(), spec.num_ranks,
                          None if legacy else np.array([[0, 0], [1, 1], [0.7, 0]]))
+    if not legacy:  # v3 rows end with the agreement columns, as given
+        want = np.concatenate([want, agreement.numpy()], axis=1)
     assert got.shape == (n, spec.width) == (n, len(spec.names()))
     if not legacy:
-        assert spec.names()[spec.temperature_column] == "temperature" and spec.names()[-1] == "sampled_drafts"
+        assert spec.names()[spec.temperature_column] == "temperature" and spec.names()[-1] == "pos15_lookup"
     np.testing.assert_allclose(got.numpy(), want, atol=1e-5, rtol=1e-5)
     # Batch context columns: num_live, context_len, decode_step, history_len, most recent accepted first.
     assert ctx[1].tolist() == [3, 200, 5, 4, 9, 4, 15, 0]
@@ -81,7 +85,8 @@ def test_features_equal_slow_reference(legacy):
 def test_spec_width_and_projection_are_fixed():
     spec = FeatureSpec()
     assert spec.version == FEATURE_VERSION
-    assert spec.num_confidence == 270 and spec.width == 270 + 60 + 8 + 2
+    assert spec.num_confidence == 270 and spec.width == 270 + 60 + 8 + 2 + 31
+    assert FeatureSpec(version="dscale-features-v2").width == 270 + 60 + 8 + 2  # v2 artifacts keep their layout
     assert FeatureSpec.legacy().width == 270 + 60 + 8  # v1 artifacts keep their layout
     with pytest.raises(ValueError, match="dscale-features-v0"):
         FeatureSpec(version="dscale-features-v0")
@@ -264,3 +269,63 @@ def test_artifact_errors_name_the_problem(tmp_path):
     bad_weights = {k: torch.zeros(1) for k in AcceptancePredictor(FeatureSpec()).state_dict()}
     with pytest.raises(PredictorError, match="weights do not fit"):
         load_predictor(save_artifact(tmp_path / "w.pt", state_dict=bad_weights), IDENTITY)
+
+
+# ----------------------------------------------------------------------------- v3: the drafts' agreement with context
+def agreement_brute_force(seq: list[int], ctx: int, block: list[int], spec: FeatureSpec) -> list[float]:
+    """The v3 agreement columns by their definition, over plain lists: seq holds the request's tokens up to the anchor
+    (seq[ctx] == block[0]); only the last `agreement_window` of them (anchor included) are looked in."""
+    lo = max(0, ctx - spec.agreement_window + 1)
+    window, ext = seq[lo : ctx + 1], seq[: ctx + 1] + block[1:]
+
+    def occurs(gram: list[int]) -> bool:
+        return any(window[i : i + len(gram)] == gram for i in range(len(window) - len(gram) + 1))
+
+    runs = []
+    for j in range(1, len(block)):
+        run = 0
+        for span in range(1, spec.agreement_ngram + 1):
+            start = ctx + j - span + 1
+            if start < lo or not occurs(ext[start : ctx + j + 1]):
+                break
+            run = span
+        runs.append(float(run))
+    follows = None
+    for span in range(spec.agreement_lookup, 0, -1):  # the longest suffix that recurs wins
+        if ctx - span + 1 < lo:
+            continue
+        suffix = seq[ctx - span + 1 : ctx + 1]
+        ends = [e for e in range(lo + span - 1, ctx) if seq[e - span + 1 : e + 1] == suffix]
+        if ends:
+            follows = seq[ends[-1] + 1 : ctx + 1]
+            break
+    flags = [float(follows is not None and j - 1 < len(follows) and follows[j - 1] == block[j])
+             for j in range(1, len(block))]
+    lead = next((i for i, f in enumerate(flags) if not f), len(flags))
+    return runs + [float(lead)] + flags
+
+
+def test_agreement_features_follow_their_definition():
+    spec = FeatureSpec(agreement_window=24)
+    assert spec.num_agreement == 2 * spec.num_positions + 1 and spec.width == len(spec.names())
+    assert FeatureSpec(version="dscale-features-v2").num_agreement == 0
+    rng = np.random.default_rng(5)
+    n, r, w = 64, spec.agreement_window, spec.num_positions + 1
+    seqs, ctxs, blocks = [], [], []
+    for i in range(n):
+        period = int(rng.integers(2, 9))
+        base = rng.integers(0, 6, period).tolist()  # repeating text over a small vocabulary: many matches
+        seq = [base[k % period] if rng.random() < 0.85 else int(rng.integers(0, 6)) for k in range(int(rng.integers(1, 60)))]
+        ctx = len(seq) - 1
+        drafts = [seq[(ctx + 1 + k) % len(seq)] if rng.random() < 0.7 else int(rng.integers(0, 6)) for k in range(w - 1)]
+        seqs.append(seq), ctxs.append(ctx), blocks.append([seq[ctx]] + drafts)
+    window = torch.zeros(n, r, dtype=torch.long)
+    valid = torch.zeros(n, r, dtype=torch.bool)
+    for i, (seq, ctx) in enumerate(zip(seqs, ctxs)):
+        for k in range(r):
+            if ctx - r + 1 + k >= 0:
+                window[i, k], valid[i, k] = seq[ctx - r + 1 + k], True
+    got = agreement_features(spec, window, valid, torch.tensor(blocks))
+    want = torch.tensor([agreement_brute_force(s, c, b, spec) for s, c, b in zip(seqs, ctxs, blocks)])
+    assert torch.equal(got, want)
+    assert (want[:, : spec.num_positions] > 0).float().mean() > 0.5 and (want[:, spec.num_positions] > 0).any()

@@ -314,3 +314,58 @@ def test_live_policy_picks_dflash_or_dscale_by_tokens_per_second_and_changes_no_
     slow, fast = runs
     assert slow["dflash"] > 4 * slow["dscale"] > 0, slow  # DFlash pays; DScale probed every 16th step
     assert fast["dscale"] > 4 * fast["dflash"] > 0, fast
+
+
+def test_agreement_features_follow_each_request_through_chunks_cache_and_preemption(pair, monkeypatch):  # noqa: F811
+    """The v3 agreement columns come from the device's token ring, which the prefill's tail and every step's
+    accepted tokens write: traced rows equal the definition over the request's final tokens, with chunked
+    prefill, prefix-cache hits (the ring also takes the cached prompt tokens) and preemption with recompute;
+    a 24-token window, so the ring wraps around within prompts and outputs."""
+    import dataclasses
+
+    from dscale_runtime import engine as engine_module
+    from test_dvl import agreement_brute_force
+
+    spec_of = engine_module.drafter_feature_spec
+    monkeypatch.setattr(engine_module, "drafter_feature_spec",
+                        lambda config: dataclasses.replace(spec_of(config), agreement_window=24))
+
+    rng = random.Random(8)
+    motifs = [[rng.randrange(90) for _ in range(rng.randint(3, 7))] for _ in range(3)]
+    prompts = [[m[i % len(m)] for i in range(rng.randint(20, 70))] for m in motifs for _ in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(16, 40), ignore_eos=True) for _ in prompts]
+    engine = make_engine(pair, "dflash", max_running_requests=12, kv_cache_tokens=3 * (MAX_LEN + 32),
+                         prefix_caching=True, chunked_prefill_tokens=20)
+    spec = engine.feature_spec
+    assert spec.num_agreement and engine.runner.token_ring == spec.agreement_window
+    traces, rings = [], []
+
+    def observe(trace) -> None:  # the ring right after the step: each request's last R committed tokens
+        traces.append(trace)
+        ring = engine.runner.state.tokens
+        slots = [engine.requests[rid].slot for rid in trace.request_ids]  # -1: finished or preempted in this step
+        rings.append([(ring[slot].tolist(), trace.context_lens[i] + trace.accepted_lens[i]) if slot >= 0 else None
+                      for i, slot in enumerate(slots)])
+
+    engine.step_observers.append(observe)
+    outputs = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0 and engine.prefix_cache_stats["hit_tokens"] > 0
+    tokens = {o.request_id: list(o.prompt_token_ids) + list(o.token_ids) for o in outputs}
+    rows = matched = 0
+    for trace in traces:
+        got = trace.features[:, spec.width - spec.num_agreement :].tolist()
+        for i, rid in enumerate(trace.request_ids):
+            want = agreement_brute_force(tokens[rid], trace.context_lens[i], trace.blocks[i], spec)
+            assert got[i] == want, (rid, trace.context_lens[i])
+            rows += 1
+            matched += want[0] > 0
+    assert rows > 100 and matched > 0
+    r = spec.agreement_window
+    checked = 0
+    for trace, held in zip(traces, rings):
+        for rid, entry in zip(trace.request_ids, held):
+            if entry is not None:
+                ring, last = entry
+                assert all(ring[p % r] == tokens[rid][p] for p in range(max(0, last - r + 1), last + 1)), rid
+                checked += 1
+    assert checked > rows // 2

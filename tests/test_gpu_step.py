@@ -21,7 +21,7 @@ import torch
 
 from dscale_runtime.attention import build_metadata
 from dscale_runtime.dvl.allocate import budget_rows
-from dscale_runtime.dvl.features import FeatureSpec, acceptance_features, hidden_projection
+from dscale_runtime.dvl.features import FeatureSpec, hidden_projection
 from dscale_runtime.dvl.predictor import AcceptancePredictor, predictor_artifact
 from dscale_runtime.graphs import GraphedCall
 from dscale_runtime.runner import StepKind, default_buckets
@@ -40,9 +40,8 @@ def tiny_bench(device: str = "cpu", max_n: int = N, seed: int = 3) -> "gpu_step.
     torch.manual_seed(0)
     b = gpu_step.Bench(gpu_step.SHAPES["tiny"], device, torch.float32, max_n=max_n, context=37, seed=seed)
     with torch.no_grad():
-        step, (_, logits, hidden, _) = gpu_step.eager_step(b, max_n, 1.0, "dflash")
-        features = acceptance_features(b.spec, logits, hidden, b.projection, step.buf.context,
-                                       sampling=step.buf.sampling_columns(b.spec))
+        step, (block, logits, hidden, _) = gpu_step.eager_step(b, max_n, 1.0, "dflash")
+        features = step.acceptance_features(block, logits, hidden, "ref")
         gpu_step.fit_normalisation(b.predictor, features)
         b.predictor.mlp[0].weight.mul_(6.0)
     return b

@@ -205,7 +205,7 @@ def test_acceptance_features_take_the_runners_backend(monkeypatch):
     original = triton_features.confidence_features_triton
     monkeypatch.setattr(triton_features, "confidence_features_triton",
                         lambda *a, **k: calls.append(1) or original(*a, **k))
-    spec = FeatureSpec()
+    spec = FeatureSpec(version="dscale-features-v2")  # NOTE: the confidence path; v3's agreement: test_dvl
     logits = random_logits(2 * spec.num_positions, 300, seed=4).view(2, spec.num_positions, 300)
     hidden = torch.randn(2, spec.num_positions, 24, generator=torch.Generator().manual_seed(5))
     projection = hidden_projection(spec, 24)

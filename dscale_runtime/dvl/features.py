@@ -9,6 +9,11 @@ context: live batch size, the request's context length and decode step, how many
 and its last `history` accepted counts (most recent first, 0 where missing). From `dscale-features-v2` on, the
 row ends with the request's sampling setup: its temperature (0 when greedy) and whether its drafts are sampled
 (1 for the `sampled` rule, 0 for greedy and the `top1` rule), so one predictor serves greedy and sampled traffic.
+From `dscale-features-v3` on, the row then ends with the drafts' agreement with the request's own recent tokens
+(`agreement_features`, over the last `agreement_window` tokens of its context, anchor included): per draft position
+the length (up to `agreement_ngram`) of the longest run ending at that draft that already occurs in the window, then
+prompt lookup's verdict (the tokens that followed the latest earlier occurrence of the context's last 1..
+`agreement_lookup` tokens, the longest found): how many leading drafts equal them, and per position whether it does.
 The confidence columns are computed in `dscale_runtime.kernels.features` (the reference beside its Triton
 kernel); this module lays out the whole row. The runtime computes whichever version an artifact was trained on.
 """
@@ -22,11 +27,12 @@ import torch
 # NOTE: re-exported: the collector, the trainer and the benchmarks read the feature definition from here.
 from dscale_runtime.kernels.features import confidence_features, confidence_features_ref
 
-__all__ = ["FEATURE_VERSION", "FEATURE_VERSION_DFLASH2", "FEATURE_VERSIONS", "FeatureSpec", "acceptance_features",
+__all__ = ["AGREEMENT_VERSIONS", "FEATURE_VERSION", "FEATURE_VERSION_DFLASH2", "FEATURE_VERSIONS", "FeatureSpec",
+           "acceptance_features", "agreement_features",
            "confidence_features", "confidence_features_ref", "context_features", "drafter_feature_spec",
            "hidden_projection", "same_drafter_family", "sampling_features"]
 
-FEATURE_VERSION = "dscale-features-v2"
+FEATURE_VERSION = "dscale-features-v3"
 """The version the collector writes by default over a DFlash 1 drafter."""
 # NOTE: DFlash 2 drafters: the same layout, but the confidence columns read the candidate selector's scores along
 # the walked path ([N, W-1, K]: top score, its gaps, log q(best) at T = 1, the entropy over the candidates), not
@@ -34,8 +40,9 @@ FEATURE_VERSION = "dscale-features-v2"
 FEATURE_VERSION_DFLASH2 = "dscale-features-dflash2-v2"
 """The version the collector writes by default over a DFlash 2 drafter."""
 # NOTE: version -> sampling columns; v1 rows end with the batch context (artifacts trained on them still load).
-FEATURE_VERSIONS = {"dscale-features-v1": 0, "dscale-features-v2": 2,
+FEATURE_VERSIONS = {"dscale-features-v1": 0, "dscale-features-v2": 2, "dscale-features-v3": 2,
                     "dscale-features-dflash2-v1": 0, "dscale-features-dflash2-v2": 2}
+AGREEMENT_VERSIONS = ("dscale-features-v3",)  # versions whose rows end with `agreement_features`' columns
 SAMPLING_NAMES = ("temperature", "sampled_drafts")
 
 
@@ -59,6 +66,12 @@ class FeatureSpec:
     """Most recent accepted counts of the request in the batch context."""
     proj_seed: int = 20260523
     """Seed of the hidden-state projection matrix."""
+    agreement_window: int = 128
+    """v3: the request's most recent tokens (anchor included) its drafts are matched against."""
+    agreement_ngram: int = 8
+    """v3: the longest run ending at a draft that is looked for in the window."""
+    agreement_lookup: int = 4
+    """v3: the longest context suffix prompt lookup matches."""
 
     def __post_init__(self) -> None:
         if self.version not in FEATURE_VERSIONS:
@@ -86,8 +99,13 @@ class FeatureSpec:
         return FEATURE_VERSIONS[self.version]
 
     @property
+    def num_agreement(self) -> int:
+        """Agreement columns (v3): a run length per position, the lookup's leading run, a lookup flag per position."""
+        return 2 * self.num_positions + 1 if self.version in AGREEMENT_VERSIONS else 0
+
+    @property
     def width(self) -> int:
-        return self.num_confidence + self.num_hidden + self.num_context + self.num_sampling
+        return self.num_confidence + self.num_hidden + self.num_context + self.num_sampling + self.num_agreement
 
     @property
     def temperature_column(self) -> int | None:
@@ -100,7 +118,11 @@ class FeatureSpec:
         names += [f"pos{j}_hidden{h}" for j in range(1, self.num_positions + 1) for h in range(self.hidden_proj_dim)]
         names += ["num_live", "context_len", "decode_step", "history_len"]
         names += [f"prev_accepted_{i}" for i in range(1, self.history + 1)]
-        return names + list(SAMPLING_NAMES[: self.num_sampling])
+        names += list(SAMPLING_NAMES[: self.num_sampling])
+        if self.num_agreement:
+            names += [f"pos{j}_ngram" for j in range(1, self.num_positions + 1)] + ["lookup_run"]
+            names += [f"pos{j}_lookup" for j in range(1, self.num_positions + 1)]
+        return names
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,6 +175,7 @@ def acceptance_features(
     context: torch.Tensor,  # [N, num_context] from context_features
     backend: str = "auto",
     sampling: torch.Tensor | None = None,  # [N, num_sampling] from sampling_features (v2 and later)
+    agreement: torch.Tensor | None = None,  # [N, num_agreement] from agreement_features (v3)
 ) -> torch.Tensor:  # [N, spec.width] float32
     """One feature row per request in `spec`'s layout. `backend` is the confidence features' path: the runner
     passes its KernelChoice's `features` (chosen once); 'auto' applies the auto rule to the logits (the
@@ -163,4 +186,51 @@ def acceptance_features(
     if spec.num_sampling:
         assert sampling is not None and sampling.shape[-1] == spec.num_sampling, "the spec wants sampling columns"
         parts.append(sampling.to(context.device, torch.float32))
+    if spec.num_agreement:
+        assert agreement is not None and agreement.shape[-1] == spec.num_agreement, "the spec wants agreement columns"
+        parts.append(agreement.to(context.device, torch.float32))
     return torch.cat(parts, dim=-1)
+
+
+def _shifted(e: torch.Tensor, s: int) -> torch.Tensor:
+    """e[..., p - s] along the last axis (False for p < s)."""
+    return torch.nn.functional.pad(e, (s, 0))[..., : e.shape[-1]] if s else e
+
+
+def agreement_features(spec: FeatureSpec, window: torch.Tensor, valid: torch.Tensor,
+                       block: torch.Tensor) -> torch.Tensor:
+    """The v3 agreement columns [N, 2P + 1] float32 of each request's block against its recent tokens: a fixed-shape
+    tensor function (captured with the step; no host reads).
+
+    window [N, R] int64: the tokens at positions ctx - R + 1 .. ctx (the last is the anchor), valid [N, R] bool
+    (False before the sequence's start); block [N, W]: the anchor and the P = W - 1 drafts. Columns: per draft j the
+    longest L <= `agreement_ngram` such that the L tokens ending at draft j (context, anchor, drafts 1..j) occur
+    contiguously in the window; then prompt lookup: the latest position e < ctx where the longest suffix (1..
+    `agreement_lookup` tokens, ending at the anchor) also ends, the tokens after e compared with the drafts: the
+    leading run of equal ones, and per position whether it is equal (0 where no suffix recurs)."""
+    n, r = window.shape
+    p_count, ngram = block.shape[1] - 1, spec.agreement_ngram
+    back = ngram - 2  # context tokens before the anchor that an n-gram ending at draft 1 reaches
+    assert 0 <= spec.agreement_lookup - 1 <= back and r > back
+    q = torch.cat([window[:, r - 1 - back :], block[:, 1:]], dim=1)  # [N, K]: k = -back..P, 0 = the anchor
+    q_valid = torch.cat([valid[:, r - 1 - back :], torch.ones_like(block[:, 1:], dtype=torch.bool)], dim=1)
+    e = (window[:, None, :] == q[:, :, None]) & valid[:, None, :] & q_valid[:, :, None]  # [N, K, R]
+    first = back + 1  # q's index of draft 1
+    run = e[:, first : first + p_count]  # [N, P, R]: the 1-gram ending at draft j ends at window position p
+    length = run.any(-1).long()
+    for span in range(2, ngram + 1):
+        run = run & _shifted(e[:, first - span + 1 : first - span + 1 + p_count], span - 1)
+        length = length + run.any(-1).long()
+    where = torch.arange(r, device=window.device)
+    suffix = e[:, back] & (where < r - 1)  # the anchor's token at a position before the anchor
+    latest = torch.full((n,), -1, dtype=torch.long, device=window.device)
+    for span in range(1, spec.agreement_lookup + 1):
+        if span > 1:
+            suffix = suffix & _shifted(e[:, back - span + 1], span - 1)
+        found = torch.where(suffix, where, -1).amax(-1)  # longer suffixes overwrite shorter ones
+        latest = torch.where(found >= 0, found, latest)
+    after = latest[:, None] + torch.arange(1, p_count + 1, device=window.device)  # [N, P]
+    follows = window.gather(1, after.clamp(max=r - 1))
+    equal = (latest[:, None] >= 0) & (after <= r - 1) & (follows == block[:, 1:])
+    flags = equal.float()
+    return torch.cat([length.float(), flags.cumprod(dim=1).sum(dim=1, keepdim=True), flags], dim=1)

@@ -32,7 +32,7 @@ class PredictorError(ValueError):
 class AcceptancePredictor(nn.Module):
     """Normalised features -> MLP -> one logit per draft position (P(accepted >= j))."""
 
-    def __init__(self, spec: FeatureSpec, hidden_sizes: tuple[int, ...] = (240, 128)) -> None:
+    def __init__(self, spec: FeatureSpec, hidden_sizes: tuple[int, ...] = (224, 128)) -> None:
         super().__init__()
         self.spec = spec
         self.hidden_sizes = tuple(hidden_sizes)
