@@ -224,9 +224,11 @@ class Bench:
         return dataclasses.replace(self.served, attention="triton", attention_tile=int(attention[4:]))
 
     def runner(self, mode: str, ratio: float = 0.5, graphs: bool = False, buckets: list[int] | None = None,
-               predictor: AcceptancePredictor | None = None, measured: bool = False) -> StepRunner:
+               predictor: AcceptancePredictor | None = None, measured: bool = False,
+               ring: bool | None = None) -> StepRunner:
         """The engine's runner over these models and caches (DScale always decides: full_width_max_batch 0,
-        unless `measured`: the engine's default policy, timed per bucket at this bench's context)."""
+        unless `measured`: the engine's default policy, timed per bucket at this bench's context). `ring`: keep
+        the v3 features' token ring (default: as the engine, in DScale runners only)."""
         speculative = mode != "target"
         buckets = buckets or [len(self.ctx)]
         return StepRunner(
@@ -235,7 +237,8 @@ class Bench:
             max_batch=max(buckets), max_pages=self.max_pages, page_size=self.page_size, budget_ratio=ratio,
             full_width_max_batch=0, feature_spec=self.spec, predictor=predictor or self.predictor,
             projection=self.projection, buckets=buckets, use_graphs=graphs, device=self.device,
-            measured_policy=measured, policy_context=int(statistics.median(self.ctx)))
+            measured_policy=measured, policy_context=int(statistics.median(self.ctx)),
+            token_ring=mode == "dscale" if ring is None else ring)
 
     def batch(self, n: int, sampling: str = "greedy") -> Batch:
         """The first n requests; 'sampled': every row at T = 1, 'mixed': odd rows at T = 1, even rows greedy,
@@ -492,7 +495,7 @@ def step_section(run: Run, bench: Bench, n: int, cuda: bool) -> dict:
 
 def eager_step(bench: Bench, n: int, ratio: float = 0.5, mode: str = "dscale"):
     """An eager runner's step of n requests with its buffers filled, and its draft outputs."""
-    runner = bench.runner(mode, ratio, graphs=False, buckets=[n])
+    runner = bench.runner(mode, ratio, graphs=False, buckets=[n], ring=True)  # NOTE: its features are read
     kind = StepKind(mode)
     bench.batch(n).run(runner, kind)  # NOTE: fills the bucket's buffers (and runs the step once)
     step = runner.get(n, kind)

@@ -73,7 +73,10 @@ class Engine:
         keep_history: bool = False,
         predictor: AcceptancePredictor | None = None,
         hidden_projection: torch.Tensor | None = None,
+        trace_features: bool = False,
     ) -> None:
+        """`trace_features`: a DFlash engine whose step observers will read features (the trace collector) keeps
+        what the v3 agreement columns read (the token ring); a DScale engine always does, other engines need not."""
         self.config = config
         self.target = target
         self.drafter = drafter
@@ -162,7 +165,8 @@ class Engine:
             policy_context=min(1024, config.max_model_len // 2),
             target_fallback=config.target_fallback and not config.measure_retention,
             live_policy=config.dscale_policy == "live" and not config.measure_retention,
-            calibration=config.mode == "dscale" and config.live_calibration)
+            calibration=config.mode == "dscale" and config.live_calibration,
+            token_ring=config.mode == "dscale" or trace_features)
         self.calibration = LiveCalibration(self.block_size - 1, self.runner.calibration_knots is not None,
                                            config.calibration_window) if config.mode == "dscale" else None
         """DScale: the watch of the predictor's calibration over committed DScale steps, and its live map."""

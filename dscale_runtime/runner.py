@@ -400,6 +400,9 @@ class BucketStep:
         token ring); `backend`: the confidence columns' path (default: the runner's)."""
         r, buf = self.runner, self.buf
         spec = r.feature_spec
+        if spec.num_agreement and r.state.tokens is None:
+            raise RuntimeError(f"{spec.version} features read the request's recent tokens, which this runner does not "
+                               "keep: build the engine with trace_features=True (or the runner with token_ring=True)")
         agreement = agreement_features(spec, *self.token_window(), block) if spec.num_agreement else None
         return acceptance_features(spec, logits, hidden, r.projection, buf.context, backend or r.features_backend,
                                    buf.sampling_columns(spec), agreement)
@@ -524,7 +527,7 @@ class StepRunner:
                  feature_spec, predictor=None, projection=None, buckets: list[int] | None = None,
                  use_graphs: bool = False, device: torch.device | str = "cpu", measured_policy: bool = False,
                  policy_context: int = 1024, target_fallback: bool = False, live_policy: bool = False,
-                 calibration: bool = False) -> None:
+                 calibration: bool = False, token_ring: bool = True) -> None:
         assert mode in MODES
         self.target, self.drafter = target, drafter
         self.target_caches, self.drafter_caches = target_caches, drafter_caches
@@ -548,8 +551,10 @@ class StepRunner:
         self.steps: dict[tuple[int, StepKind], BucketStep] = {}
         self.last_key: tuple[int, StepKind] | None = None  # the (bucket, kind) of the latest step
         # DScale's measured policy (`prepare` with graphs): bucket -> 'dscale' or 'dflash', and the step times
-        # NOTE: the token ring only where the v3 features can be computed (speculative steps)
-        self.token_ring = feature_spec.agreement_window if feature_spec.num_agreement and mode != "target" else 0
+        # NOTE: the token ring only where the v3 features can be computed (speculative steps) and are wanted
+        # (`token_ring`: the engine's DScale steps, or traced DFlash steps)
+        self.token_ring = feature_spec.agreement_window if (feature_spec.num_agreement and mode != "target"
+                                                            and token_ring) else 0
         self.state = DeviceState(max_batch, feature_spec.num_context, self.device, with_history=mode == "dscale",
                                  token_window=self.token_ring)
         # Launched steps of each device-state row whose results the host has not read yet (`PendingStep.result`):

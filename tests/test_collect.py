@@ -259,7 +259,8 @@ def test_several_temperatures_into_one_trace_set(tiny_setup, tmp_path):
     rows = _records(tmp_path / "both")
     assert {(round(r["temperature"], 4), r["sampling_rule"]) for r in rows} == {(0.0, "greedy"), (0.8, "sampled")}
     for r in rows:
-        assert r["features"][spec.temperature_column :] == pytest.approx([r["temperature"], float(r["temperature"] > 0)])
+        sampling = r["features"][spec.temperature_column : spec.temperature_column + spec.num_sampling]
+        assert sampling == pytest.approx([r["temperature"], float(r["temperature"] > 0)])
     strip = lambda r: (r["prompt_id"], r["step"], r["accepted"], r["features"])  # noqa: E731
     assert [strip(r) for r in rows if r["temperature"] == 0] == [strip(r) for r in _records(tmp_path / "greedy")]
     assert greedy["counts"]["records"] == sum(r["temperature"] == 0 for r in rows)

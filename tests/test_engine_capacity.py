@@ -12,6 +12,7 @@ import pytest
 
 from test_engine import MAX_LEN, assert_same, make_engine, pair  # noqa: F401 - fixtures
 from dscale_runtime.config import EngineConfig, SamplingParams
+from dscale_runtime.engine import Engine
 
 
 def shared_prefix_prompts(n: int = 12, seed: int = 4) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -334,8 +335,10 @@ def test_agreement_features_follow_each_request_through_chunks_cache_and_preempt
     motifs = [[rng.randrange(90) for _ in range(rng.randint(3, 7))] for _ in range(3)]
     prompts = [[m[i % len(m)] for i in range(rng.randint(20, 70))] for m in motifs for _ in range(4)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(16, 40), ignore_eos=True) for _ in prompts]
-    engine = make_engine(pair, "dflash", max_running_requests=12, kv_cache_tokens=3 * (MAX_LEN + 32),
-                         prefix_caching=True, chunked_prefill_tokens=20)
+    cfg = EngineConfig(mode="dflash", max_model_len=MAX_LEN, max_running_requests=12,
+                       kv_cache_tokens=3 * (MAX_LEN + 32), prefix_caching=True, chunked_prefill_tokens=20)
+    assert Engine.from_pretrained(*pair, config=cfg).runner.token_ring == 0  # untraced DFlash: no ring kept
+    engine = Engine.from_pretrained(*pair, config=cfg, trace_features=True)
     spec = engine.feature_spec
     assert spec.num_agreement and engine.runner.token_ring == spec.agreement_window
     traces, rings = [], []

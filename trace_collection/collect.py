@@ -126,7 +126,7 @@ def _collect(cfg: CollectConfig, workers: Workers) -> dict:
     engine_cfg = EngineConfig(mode="dflash", max_running_requests=max(cfg.concurrency),
                               device=workers.device(cfg.device), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                               seed=cfg.seed, sampling_rule=cfg.sampling_rule, prefix_caching=False)
-    engine = Engine.from_pretrained(cfg.target, cfg.drafter, config=engine_cfg)
+    engine = Engine.from_pretrained(cfg.target, cfg.drafter, config=engine_cfg, trace_features=True)
     spec = drafter_feature_spec(engine.drafter.config)  # NOTE: DFlash 1 or DFlash 2 features, W - 1 positions
     store = TraceStore(cfg.output)
     tokenizer = engine.tokenizer
