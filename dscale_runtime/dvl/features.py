@@ -192,11 +192,6 @@ def acceptance_features(
     return torch.cat(parts, dim=-1)
 
 
-def _shifted(e: torch.Tensor, s: int) -> torch.Tensor:
-    """e[..., p - s] along the last axis (False for p < s)."""
-    return torch.nn.functional.pad(e, (s, 0))[..., : e.shape[-1]] if s else e
-
-
 def agreement_features(spec: FeatureSpec, window: torch.Tensor, valid: torch.Tensor,
                        block: torch.Tensor) -> torch.Tensor:
     """The v3 agreement columns [N, 2P + 1] float32 of each request's block against its recent tokens: a fixed-shape
@@ -215,20 +210,20 @@ def agreement_features(spec: FeatureSpec, window: torch.Tensor, valid: torch.Ten
     q = torch.cat([window[:, r - 1 - back :], block[:, 1:]], dim=1)  # [N, K]: k = -back..P, 0 = the anchor
     q_valid = torch.cat([valid[:, r - 1 - back :], torch.ones_like(block[:, 1:], dtype=torch.bool)], dim=1)
     e = (window[:, None, :] == q[:, :, None]) & valid[:, None, :] & q_valid[:, :, None]  # [N, K, R]
-    first = back + 1  # q's index of draft 1
-    run = e[:, first : first + p_count]  # [N, P, R]: the 1-gram ending at draft j ends at window position p
-    length = run.any(-1).long()
-    for span in range(2, ngram + 1):
-        run = run & _shifted(e[:, first - span + 1 : first - span + 1 + p_count], span - 1)
-        length = length + run.any(-1).long()
-    where = torch.arange(r, device=window.device)
-    suffix = e[:, back] & (where < r - 1)  # the anchor's token at a position before the anchor
-    latest = torch.full((n,), -1, dtype=torch.long, device=window.device)
-    for span in range(1, spec.agreement_lookup + 1):
-        if span > 1:
-            suffix = suffix & _shifted(e[:, back - span + 1], span - 1)
-        found = torch.where(suffix, where, -1).amax(-1)  # longer suffixes overwrite shorter ones
-        latest = torch.where(found >= 0, found, latest)
+    # NOTE: every span at once (a few launches, not a few per span): e padded on the left by `ngram` columns, so
+    # window position p - i is column p - i + ngram (False before the window); g[:, i, j, p] = e[k(j) - i, p - i].
+    e = torch.nn.functional.pad(e, (ngram, 0))
+    device, shifts = window.device, torch.arange(ngram, device=window.device)
+    where = torch.arange(r, device=device)
+    columns = where[None, :] - shifts[:, None] + ngram  # [L, R]
+    draft_rows = back + 1 + torch.arange(p_count, device=device)[None, :] - shifts[:, None]  # [L, P] q index - i
+    runs = e[:, draft_rows[:, :, None], columns[:, None, :]].int().cumprod(dim=1)  # [N, L, P, R]: span i + 1 ends at p
+    length = runs.amax(dim=-1).sum(dim=1)  # [N, P] the longest span found (every shorter one is found too)
+    lookup = spec.agreement_lookup
+    suffix = e[:, (back - shifts[:lookup])[:, None], columns[:lookup]].int().cumprod(dim=1)  # [N, Lk, R]
+    found = torch.where((suffix > 0) & (where < r - 1), where, -1).amax(dim=-1)  # [N, Lk] latest end before the anchor
+    longest = ((found >= 0) * (shifts[:lookup] + 1)).argmax(dim=1, keepdim=True)  # the longest suffix that recurs
+    latest = found.gather(1, longest)[:, 0]  # -1 where none does
     after = latest[:, None] + torch.arange(1, p_count + 1, device=window.device)  # [N, P]
     follows = window.gather(1, after.clamp(max=r - 1))
     equal = (latest[:, None] >= 0) & (after <= r - 1) & (follows == block[:, 1:])
