@@ -46,7 +46,7 @@ def write_synthetic_traces(folder, target, drafter, num_prompts=90, seed=0, temp
                     f = rng.normal(0, 1, spec.width).astype(np.float32)
                     gaps = np.clip(quality + 2 - 0.4 * np.arange(15) + rng.normal(0, 0.5, 15), 0, None)
                     f[[j * spec.per_position + 1 for j in range(15)]] = gaps
-                    f[spec.temperature_column :] = [t, float(t > 0)]
+                    f[spec.temperature_column : spec.temperature_column + spec.num_sampling] = [t, float(t > 0)]
                     cols["prompt_id"].append(f"{'ab'[p % 2]}/{p}")
                     cols["dataset"].append("ab"[p % 2])
                     cols["concurrency"].append(c)
