@@ -588,15 +588,14 @@ class Engine:
         decode step reads it; the host commits it later (`_drain`)."""
         chunks = []
         for request in requests:
-            start = request.num_computed
-            tokens = request.prefill_token_ids[start : start + request.prefill_chunk]
+            start, ids = request.num_computed, request.prefill_token_ids  # NOTE: a copy per read after preemption
+            tokens = ids[start : start + request.prefill_chunk]
             done = not request.output_token_ids and start + len(tokens) == len(request.prompt_token_ids)
             chunk = PrefillChunk(tokens, start, request.pages, request.slot if done else None, request.sampling,
                                  len(request.prompt_token_ids))
-            end = len(request.prefill_token_ids)
-            if self.runner.token_ring and start + len(tokens) == end:  # NOTE: the v3 features' ring starts here
-                chunk.tail_slot, chunk.tail_end = request.slot, end
-                chunk.tail = request.prefill_token_ids[max(0, end - self.runner.token_ring) :]
+            if self.runner.token_ring and start + len(tokens) == len(ids):  # NOTE: the v3 features' ring starts here
+                chunk.tail_slot, chunk.tail_end = request.slot, len(ids)
+                chunk.tail = ids[max(0, len(ids) - self.runner.token_ring) :]
             chunks.append(chunk)
         first = self.prefiller.run(chunks)
         self.counters.prefill_tokens += sum(len(c.tokens) for c in chunks)

@@ -22,7 +22,6 @@ from dscale_runtime.kernels.filters import KEY_ALL, KEY_BITS, MASS_BITS, ROW_PRO
 from dscale_runtime.kernels.triton_filters import _DTYPES16, _row_floor
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ROW_TOKENS_VOCAB = ROW_PROGRAM_VOCAB  # rows of at most this many tokens: `row_tokens_triton` (one launch in all)
 
 
 @triton.jit
@@ -248,12 +247,12 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
                       seed_lo: torch.Tensor | None = None, seed_hi: torch.Tensor | None = None,
                       positions: torch.Tensor | None = None, offset: int = 0, key: int = 0, second_key: int = 0,
                       chunk: int = 1024) -> torch.Tensor:
-    """The target's token of every row of logits [R, V] (V <= ROW_TOKENS_VOCAB, contiguous rows) in one launch: the
+    """The target's token of every row of logits [R, V] (V <= ROW_PROGRAM_VOCAB, contiguous rows) in one launch: the
     argmax, or with `sampled` the keyed inverse-CDF draw of `sampling.target_tokens`'s unfused path for rows whose
     request is not greedy. Row r reads its request's parameters (greedy / temperature / top_k / top_p / seeds
     [B]) at min(index[r], max_index) (index None: at r) and draws at positions[r] + offset with the 32-bit `key` of its purpose."""
     rows, vocab = logits.shape
-    assert vocab <= ROW_TOKENS_VOCAB and logits.stride(-1) == 1 and chunk & (chunk - 1) == 0
+    assert vocab <= ROW_PROGRAM_VOCAB and logits.stride(-1) == 1 and chunk & (chunk - 1) == 0
     if logits.dtype not in _DTYPES:
         raise ValueError(f"Triton row tokens take {_DTYPES} logits, got {logits.dtype}: use DSCALE_FUSED=ref "
                          "(KernelChoice.fused='ref')")
