@@ -2,8 +2,10 @@
 
 Same engine, same held-out stdlib prompts, all requests submitted at once with `max_running_requests = c`;
 tokens/s = generated tokens / wall time, the median of `--repeats` rounds after a warm-up run of the same
-prompts (so every prefill shape and Triton kernel is compiled before timing); each round times every mode once
-in turn, all engines of a concurrency built side by side. Every mode runs through the step runner;
+prompts (so every prefill shape and Triton kernel is compiled before timing); each round times every mode at every
+sampling point once in turn, all engines of a concurrency built side by side, so drift of the machine hits them
+alike; `--min-seconds` makes each timed run repeat the workload until that long (a duration target), and paired
+ratios (per round, then the median) are reported beside the ratio of medians. Every mode runs through the step runner;
 `--step-graphs` captures its steps (target-only too, so the speedups are against a captured baseline). Each
 `--sampling` point is `T`, `T/top_p` or `T/top_p/top_k` (0 = greedy); sampled requests carry per-request seeds. Greedy output
 of every mode is compared with target-only output (bf16 may differ at near-ties; fp32 must not): for each
@@ -11,7 +13,7 @@ difference, the fp32 target's top-2 logit margin at the first differing token (`
 Issue 15's check per mode and sampled point: tokens/s >= 0.95 x greedy tokens/s x acceptance / greedy acceptance.
 
     python benchmarks/demo_gpu_e2e.py --prompts 96 --max-tokens 128 --concurrency 8 32 --step-graphs \
-        --sampling 0 1 0.7/0.8 --repeats 3 --out e2e.json
+        --sampling 0 1 0.7/0.8 --repeats 3 --min-seconds 2 --out e2e.json
 """
 
 from __future__ import annotations
@@ -40,44 +42,73 @@ def build(mode: str, concurrency: int, dtype: str, predictor: Path, graphs: bool
                                   predictor if mode == "dscale" else None, config=config)
 
 
-def timed(engine: Engine, prompts: list[str], params: list[SamplingParams]) -> tuple[float, list]:
+def timed(engine: Engine, prompts: list[str], params: list[SamplingParams], min_seconds: float = 0.0
+          ) -> tuple[float, int, list]:
+    """Seconds and generated tokens of `engine.generate` over the prompts, repeated until `min_seconds` have passed
+    (a duration target: one pass of the demo workload lasts 0.1-0.5 s on a GPU, too short to measure alone)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, outputs
+    tokens, elapsed = 0, 0.0
+    while True:
+        outputs = engine.generate(prompts, params)
+        tokens += sum(len(o.token_ids) for o in outputs)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed, tokens, outputs
 
 
-def run_point(engines: dict[str, Engine], prompts: list[str], temperature: float, top_p: float, top_k: int,
-              max_tokens: int, repeats: int) -> dict[str, dict]:
-    """Every engine warmed up on the prompts, then `repeats` rounds that time each engine once in turn (so drift
-    of the machine hits every mode alike); tokens/s from the median round, with the spread."""
-    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                             ignore_eos=True, seed=i if temperature > 0 else None) for i in range(len(prompts))]
+def point_params(prompts: list[str], temperature: float, top_p: float, top_k: int, max_tokens: int
+                 ) -> list[SamplingParams]:
+    return [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                           ignore_eos=True, seed=i if temperature > 0 else None) for i in range(len(prompts))]
+
+
+def run_points(engines: dict[str, Engine], prompts: list[str], points: list[tuple[float, float, int]],
+               max_tokens: int, repeats: int, min_seconds: float) -> list[dict[str, dict]]:
+    """Every engine warmed up at every point, then `repeats` rounds; a round times each (point, engine) pair once in
+    turn, each for at least `min_seconds`, so drift of the machine hits every mode and every sampling point alike.
+    Per pair: tokens/s of the median round, every round's tokens/s, and (for a sampled point) the median over rounds of
+    its tokens/s over the same engine's greedy tokens/s in that round (`vs_greedy_paired`)."""
+    params = [point_params(prompts, *point, max_tokens) for point in points]
     for engine in engines.values():
-        engine.generate(prompts, params)  # warm-up
-    seconds = {name: [] for name in engines}
+        for p in params:
+            engine.generate(prompts, p)  # warm-up
+    rates = {(i, name): [] for i in range(len(points)) for name in engines}
+    seconds = {key: [] for key in rates}
     outputs = {}
     for _ in range(repeats):
+        for i, p in enumerate(params):
+            for name, engine in engines.items():
+                elapsed, tokens, outputs[i, name] = timed(engine, prompts, p, min_seconds)
+                rates[i, name].append(tokens / elapsed)
+                seconds[i, name].append(elapsed)
+    greedy = next((i for i, point in enumerate(points) if point[0] == 0), None)
+    result = []
+    for i, (temperature, top_p, top_k) in enumerate(points):
+        rows = {}
         for name, engine in engines.items():
-            elapsed, outputs[name] = timed(engine, prompts, params)
-            seconds[name].append(elapsed)
-    rows = {}
-    for name, engine in engines.items():
-        out = outputs[name]
-        tokens = sum(len(o.token_ids) for o in out)
-        accepted = [a for o in out for a in o.stats.accepted_lens]
-        median = statistics.median(seconds[name])
-        rows[name] = {
-            "mode": name, "concurrency": engine.config.max_running_requests, "temperature": temperature,
-            "top_p": top_p, "top_k": top_k, "seconds": round(median, 3), "tokens_per_s": round(tokens / median, 1),
-            "tokens_per_s_runs": [round(tokens / t, 1) for t in seconds[name]],
-            "mean_acceptance_length": round(1 + sum(accepted) / len(accepted), 3) if accepted else 1.0,
-            "request_steps": sum(o.stats.num_steps for o in out), "tokens": [o.token_ids for o in out],
-            "eager_prefills": engine.prefiller.eager_calls,
-            **({"step_policy": engine.step_policy} if engine.config.mode == "dscale" else {}),
-        }
-    return rows
+            out = outputs[i, name]
+            accepted = [a for o in out for a in o.stats.accepted_lens]
+            runs = rates[i, name]
+            rows[name] = {
+                "mode": name, "concurrency": engine.config.max_running_requests, "temperature": temperature,
+                "top_p": top_p, "top_k": top_k, "seconds_per_round": [round(t, 3) for t in seconds[i, name]],
+                "tokens_per_s": round(statistics.median(runs), 1), "tokens_per_s_runs": [round(r, 1) for r in runs],
+                "spread": round((max(runs) - min(runs)) / statistics.median(runs), 3),
+                "mean_acceptance_length": round(1 + sum(accepted) / len(accepted), 3) if accepted else 1.0,
+                "request_steps": sum(o.stats.num_steps for o in out), "tokens": [o.token_ids for o in out],
+                "eager_prefills": engine.prefiller.eager_calls,
+                **({"step_policy": engine.step_policy} if engine.config.mode == "dscale" else {}),
+            }
+            if greedy is not None and i != greedy:
+                paired = [r / g for r, g in zip(runs, rates[greedy, name])]
+                rows[name]["vs_greedy_paired"] = round(statistics.median(paired), 3)
+            if "target" in engines and name != "target":
+                paired = [r / t for r, t in zip(runs, rates[i, "target"])]
+                rows[name]["vs_target_paired"] = round(statistics.median(paired), 3)
+        result.append(rows)
+    return result
 
 
 def parse_point(text: str) -> tuple[float, float, int]:
@@ -97,6 +128,8 @@ def main() -> None:
     parser.add_argument("--predictor", type=Path, default=DEMO_DIR.parent / "demo.pt")
     parser.add_argument("--step-graphs", action="store_true", help="capture every mode's steps (CUDA graphs)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per point (the median is kept)")
+    parser.add_argument("--min-seconds", type=float, default=0.0,
+                        help="duration target: each timed run repeats the workload until this many seconds passed")
     parser.add_argument("--no-overlap-too", action="store_true",
                         help="also time every mode with EngineConfig.overlap_schedule off")
     parser.add_argument("--eager-prefill-too", action="store_true",
@@ -121,9 +154,10 @@ def main() -> None:
         if args.eager_prefill_too:
             engines["dflash eager-prefill"] = build("dflash", c, args.dtype, args.predictor, args.step_graphs,
                                                     prefill_graphs=False)
+        points = list(map(parse_point, args.sampling))
         greedy: dict[str, dict] = {}
-        for point in map(parse_point, args.sampling):
-            by_mode = run_point(engines, prompts, *point, args.max_tokens, args.repeats)
+        for point, by_mode in zip(points, run_points(engines, prompts, points, args.max_tokens, args.repeats,
+                                                     args.min_seconds)):
             reference = by_mode["target"]["tokens"]
             for mode, r in by_mode.items():
                 tokens = r.pop("tokens")
@@ -142,9 +176,11 @@ def main() -> None:
                 rows.append(r)
                 extra = (f"equal {r['prompts_equal_to_target']}/{len(prompts)} margins "
                          f"{[d['fp32_top2_margin'] for d in r['differences']]}" if point[0] == 0 else
-                         f"vs greedy {r.get('vs_greedy')}, vs greedy-scaled {r.get('sampled_cost_ratio')}")
+                         f"vs greedy {r.get('vs_greedy')} (paired {r.get('vs_greedy_paired')}), "
+                         f"vs greedy-scaled {r.get('sampled_cost_ratio')}")
                 print(f"c={c:3d} T={point[0]} top_p={point[1]} top_k={point[2]} {r['mode']:18s} {r['tokens_per_s']:9.1f} tok/s  "
-                      f"runs {r['tokens_per_s_runs']}  x{r['speedup_vs_target']:.2f}  /dflash {r.get('vs_dflash', float('nan')):.3f}  "
+                      f"runs {r['tokens_per_s_runs']}  x{r['speedup_vs_target']:.2f} (paired "
+                      f"{r.get('vs_target_paired', 1.0):.3f})  /dflash {r.get('vs_dflash', float('nan')):.3f}  "
                       f"acc_len {r['mean_acceptance_length']:.3f}  {extra}", flush=True)
         del engines
         torch.cuda.empty_cache()

@@ -1,8 +1,9 @@
 """Live calibration of the acceptance predictor under drifting traffic (issue 27, acceptance 3), on the demo pair.
 
-A DScale engine (`artifacts/demo.pt`, trained on greedy traces) serves a closed loop of `--concurrency`
-requests: greedy until `--greedy-steps` request-steps, then seeded T = 1 (the top-1 rule, whose output equals
-target-only sampling token for token). After every committed step it records the live calibration error the
+A DScale engine (`--predictor`; the default `artifacts/demo.pt` is trained and calibrated at T = 0 and T = 1 since
+2026-12-03, so the drift shows with a predictor trained on greedy traces alone, e.g. from `dscale-train --target
+demo --temperatures '[0.0]'`) serves a closed loop of `--concurrency` requests: greedy until `--greedy-steps`
+request-steps, then seeded T = 1 (the top-1 rule, whose output equals target-only sampling token for token). After every committed step it records the live calibration error the
 engine reports (`Engine.calibration.report()`, the /metrics figures: ECE of P(accepted >= j), j = 1..3, over
 the request-steps that verified j) and, with `--retention` (full-width verification beside each DScale step,
 for analysis only), the uncensored error over every request-step against the full-width accepted count,
@@ -76,7 +77,7 @@ def run(args, calibration: bool, prompts: list[str]) -> dict:
     cfg = EngineConfig(mode="dscale", max_running_requests=args.concurrency, max_model_len=1024,
                        sampling_rule="top1", live_calibration=calibration, calibration_window=args.window,
                        measure_retention=args.retention, budget_ratio=args.budget_ratio)
-    engine = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter", predictor=DEMO_DIR.parent / "demo.pt",
+    engine = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter", predictor=args.predictor,
                                     config=cfg)
     width = engine.block_size
     truth = LiveCalibration(width - 1, apply=False)  # the same watch over uncensored labels: every slot "verified"
@@ -193,6 +194,7 @@ def replay(path: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calibration", default="on,off", help="comma-separated runs: on, off")
+    parser.add_argument("--predictor", default=str(DEMO_DIR.parent / "demo.pt"), help="predictor artifact")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--greedy-steps", type=int, default=1000)
     parser.add_argument("--sampled-steps", type=int, default=3000)
