@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from checkpoints import write_drafter, write_target
+from checkpoints import write_drafter, write_drafter2, write_target
 from dscale_runtime.attention import build_metadata
 from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.demo.build import DemoRecipe, build
@@ -21,7 +21,7 @@ from dscale_runtime.models.loader import load_drafter, load_target
 
 
 def test_build_configs_are_valid_recipes():
-    for name in ("demo_build.yaml", "demo_build_tiny.yaml"):
+    for name in ("demo_build.yaml", "demo_build_tiny.yaml", "demo_build_dflash2.yaml"):
         cfg = yaml.safe_load(open(f"configs/{name}"))
         recipe = DemoRecipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
         assert recipe.vocab_size <= 8192 and recipe.num_kv_heads < recipe.num_heads and recipe.num_layers >= 4
@@ -38,9 +38,12 @@ def test_split_is_by_module_and_deterministic():
     assert 0.03 < len(held) / (len(held) + len(train)) < 0.2
 
 
-def test_draft_train_forward_equals_paged_inference(tmp_path):
+@pytest.mark.parametrize("write", [write_drafter, write_drafter2], ids=["dflash", "dflash2"])
+def test_draft_train_forward_equals_paged_inference(tmp_path, write):
+    """The recipe's dense training forward is the served paged forward, block for block (DFlash 2: with the block
+    convolutions, whose random taps reach the slots before)."""
     target = load_target(write_target(tmp_path / "t"), "float32")
-    drafter = load_drafter(write_drafter(tmp_path / "d"), target.config, "float32")
+    drafter = load_drafter(write(tmp_path / "d"), target.config, "float32")
     w, s, b = drafter.config.block_size, 40, 2
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 90, (b, s), generator=gen)
@@ -126,3 +129,70 @@ def test_draft_slot_loss_mixes_cross_entropy_and_kl():
     torch.testing.assert_close(draft_slot_loss(logits, labels, teacher, 1.0), kl)
     torch.testing.assert_close(draft_slot_loss(logits, labels, teacher, 0.25), 0.75 * ce + 0.25 * kl)
     assert draft_slot_loss(teacher, labels, teacher, 1.0).abs().max() < 1e-6  # the teacher itself: no KL
+
+
+def test_selector_loss_is_the_walks_score_along_its_own_path(tmp_path):
+    """Labels = the selector's own greedy walk: teacher forcing reproduces the walk's scores (`walk_ref`), so every
+    slot's best score is its label and the loss is the cross-entropy of those scores; a label outside the top k
+    takes the last candidate's place."""
+    from dscale_runtime.demo.train import selector_slot_loss
+    from dscale_runtime.models.dflash2 import walk_ref
+
+    target = load_target(write_target(tmp_path / "t"), "float32")
+    drafter = load_drafter(write_drafter2(tmp_path / "d", selector_top_k=8), target.config, "float32")
+    selector = drafter.candidate_selector
+    gen = torch.Generator().manual_seed(0)
+    hidden, logits = torch.randn(6, 5, 32, generator=gen), torch.randn(6, 5, 96, generator=gen)
+    first = torch.randint(0, 96, (6,), generator=gen)
+    unary, candidates = logits.topk(8, dim=-1)
+    path, scores, _ = walk_ref(selector, hidden, unary, candidates, first)
+    with torch.no_grad():
+        loss, picks = selector_slot_loss(selector, hidden, logits, path, first)
+    chosen = (candidates == path[..., None]).long().argmax(-1)
+    assert picks.all()
+    torch.testing.assert_close(loss, -torch.log_softmax(scores, -1).gather(-1, chosen[..., None])[..., 0])
+    outside = logits.argmin(-1)  # never among the top 8
+    with torch.no_grad():
+        loss, picks = selector_slot_loss(selector, hidden, logits, outside, first)
+    prev = torch.cat([first[:, None], outside[:, :-1]], dim=1)
+    cands = torch.cat([candidates[..., :-1], outside[..., None]], dim=-1)
+    proj = selector.hidden_projection(hidden)
+    want = logits.gather(-1, cands) + torch.einsum("npr,npkr->npk", selector.predecessor_codebook[prev] * proj,
+                                                     selector.successor_codebook[cands])
+    torch.testing.assert_close(loss, -torch.log_softmax(want, -1)[..., -1])
+    assert not picks.any()  # a label the top k lack is never picked, whatever it scores
+
+
+def test_tiny_recipe_builds_a_dflash2_drafter_beside_the_dflash1_one(tiny_pair):
+    """`drafter_architecture: dflash2` into `drafter2/` of the tiny pair: z-lab's layout (loaded as a DFlash 2
+    drafter), the greedy and T = 1 eval beside the DFlash 1 one, and DFlash over it equal to target-only."""
+    from dscale_runtime.models.dflash2 import DFlash2DraftModel
+
+    out, _ = tiny_pair
+    cfg = yaml.safe_load(open("configs/demo_build_tiny.yaml"))
+    recipe = replace(DemoRecipe(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}),
+                     out=str(out), greedy_cache=str(out / "work" / "greedy.pt"), stages=("drafter", "eval"),
+                     drafter_architecture="dflash2", drafter_dir="drafter2", conv_group_size=16, selector_rank=8,
+                     selector_top_k=8, eval_temperatures=(0.0, 1.0))
+    report = build(recipe)
+    config = json.loads((out / "drafter2" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert config["dflash_config"]["selector_top_k"] == 8 and config["dflash_config"]["conv_group_size"] == 16
+    target = load_target(out / "target", "float32")
+    assert isinstance(load_drafter(out / "drafter2", target.config, "float32"), DFlash2DraftModel)
+    assert report["drafter2"]["architecture"] == "DFlash2DraftModel" and report["recipe_drafter2"]["drafter_dir"] == "drafter2"
+    assert report["recipe"]["drafter_architecture"] == "dflash" and "eval_cpu" in report
+    sampled = report["eval_cpu_drafter2"]["sampled"]["1.0"]
+    assert sampled["steps"] > 0 and sampled["mean_acceptance_length"] >= 1.0
+    assert "`drafter2/`: a DFlash2DraftModel drafter" in (out / "README.md").read_text()
+    prompts = [p["prompt"] for p in json.loads("[" + ",".join((out / "prompts.jsonl").read_text().split("\n")[:-1])
+                                               + "]")][:4]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = Engine.from_pretrained(out / "target", config=EngineConfig(mode="target")).generate(prompts, params)
+    got = Engine.from_pretrained(out / "target", out / "drafter2", config=EngineConfig(mode="dflash")).generate(
+        prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    with pytest.raises(ValueError, match="conv_group_size"):
+        build(replace(recipe, conv_group_size=48))
+    with pytest.raises(ValueError, match="drafter_dir"):
+        build(replace(recipe, drafter_dir="target"))

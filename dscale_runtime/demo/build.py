@@ -59,6 +59,21 @@ class DemoRecipe:
     """Peak learning rate of the target (warmup then cosine to 10%)."""
     drafter_layers: int = 2
     """DFlash draft layers."""
+    drafter_architecture: str = "dflash"
+    """`dflash` (z-lab `DFlashDraftModel`) or `dflash2` (`DFlash2DraftModel`: block convolutions and a selector)."""
+    drafter_dir: str = "drafter"
+    """Folder under `out` the drafter stage writes and the eval stage reads (e.g. `drafter2` beside the DFlash 1
+    drafter); its report entries are keyed by it (`drafter2`, `eval_cuda_drafter2`, `recipe_drafter2`)."""
+    conv_kernel_size: int = 4
+    """DFlash 2: taps of each block convolution."""
+    conv_group_size: int = 32
+    """DFlash 2: channels per dynamic-tap group (must divide hidden_size)."""
+    selector_rank: int = 32
+    """DFlash 2: rank of the selector's bilinear term."""
+    selector_top_k: int = 16
+    """DFlash 2: candidates per draft slot."""
+    selector_weight: float = 1.0
+    """DFlash 2: weight of the selector's loss beside the draft logits' loss."""
     target_layer_ids: tuple[int, ...] = (1, 3, 5)
     """Target layers fused into the drafter context."""
     block_size: int = 16
@@ -95,6 +110,8 @@ class DemoRecipe:
     """Tokens generated per eval prompt."""
     eval_device: str | None = None
     """Device of the eval stage (None: the training device)."""
+    eval_temperatures: tuple[float, ...] = (0.0,)
+    """Temperatures the eval stage decodes the held-out prompts at (0 = greedy; others seeded, one seed per prompt)."""
 
 
 def _log(msg: str) -> None:
@@ -278,7 +295,7 @@ def stage_drafter(r: DemoRecipe, out: Path, report: dict) -> None:
 
     from dscale_runtime.demo.train import (MASK_TOKEN, drafter_config, held_out_acceptance, init_drafter,
                                            train_drafter)
-    from dscale_runtime.models.config import load_target_config
+    from dscale_runtime.models.config import DFlash2Config, load_target_config
 
     device = torch.device(r.device)
     t0 = time.time()
@@ -288,8 +305,12 @@ def stage_drafter(r: DemoRecipe, out: Path, report: dict) -> None:
     tok_json = json.loads((out / "target" / "tokenizer.json").read_text())
     mask_id = next(t["id"] for t in tok_json["added_tokens"] if t["content"] == MASK_TOKEN)
     tcfg = load_target_config(out / "target")
+    dflash2 = None
+    if r.drafter_architecture == "dflash2":
+        dflash2 = DFlash2Config(conv_kernel_size=r.conv_kernel_size, conv_group_size=r.conv_group_size,
+                                selector_rank=r.selector_rank, selector_top_k=r.selector_top_k)
     cfg, cfg_json = drafter_config(tcfg, layers=r.drafter_layers, block_size=r.block_size, mask_token_id=mask_id,
-                                   target_layer_ids=r.target_layer_ids)
+                                   target_layer_ids=r.target_layer_ids, dflash2=dflash2)
     drafter = init_drafter(cfg, r.seed)
     hf_target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32)
     holdout = max(2, sequences.shape[0] // 32)  # greedy sequences kept out of drafter training
@@ -297,21 +318,26 @@ def stage_drafter(r: DemoRecipe, out: Path, report: dict) -> None:
     curve = train_drafter(drafter, hf_target, sequences[holdout:], _train_ids(r, out),
                           prompt_lens=prompt_lens[holdout:], new_tokens=r.gen_new_tokens, steps=r.drafter_steps,
                           batch=r.drafter_batch, blocks_per_seq=r.blocks_per_seq, lr=r.drafter_lr, device=device,
-                          seed=r.seed, log=_log, kl_weight=r.drafter_kl_weight)
+                          seed=r.seed, log=_log, kl_weight=r.drafter_kl_weight, selector_weight=r.selector_weight)
     train_seconds = time.time() - t1
     fresh = held_out_acceptance(drafter, hf_target, sequences[:holdout], prompt_lens=prompt_lens[:holdout],
                                 new_tokens=r.gen_new_tokens, device=device)
     _log(f"drafter: {fresh:.2f} accepted drafts per block on held-out greedy sequences")
-    folder = out / "drafter"
+    folder = out / r.drafter_dir
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg_json, indent=2))
     state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    report["drafter"] = {"parameters": sum(p.numel() for p in drafter.parameters()),
+    report[r.drafter_dir] = {"architecture": cfg.architecture, "parameters": sum(p.numel() for p in drafter.parameters()),
                          "greedy_sequences": list(sequences.shape), "generate_seconds": round(gen_seconds, 1),
                          "train_seconds": round(train_seconds, 1), "heldout_sequences": holdout,
                          "heldout_accepted": round(fresh, 3), "curve": curve}
     _log(f"drafter: trained in {train_seconds:.0f} s")
+
+
+def _suffix(r: DemoRecipe) -> str:
+    """Report-key suffix of the recipe's drafter: none for the shipped `drafter`, `_<dir>` for another folder."""
+    return "" if r.drafter_dir == "drafter" else f"_{r.drafter_dir}"
 
 
 def stage_eval(r: DemoRecipe, out: Path, report: dict) -> None:
@@ -320,28 +346,41 @@ def stage_eval(r: DemoRecipe, out: Path, report: dict) -> None:
     from dscale_runtime.demo.prompts import load_prompt_file
 
     device = r.eval_device or r.device
-    key = f"eval_{torch.device(device).type}"
+    key = f"eval_{torch.device(device).type}{_suffix(r)}"
     prompts = load_prompt_file(out / "prompts.jsonl")[: r.eval_prompts]
     cfg = EngineConfig(mode="dflash", max_running_requests=64, device=device, dtype="float32", max_model_len=1024)
-    engine = Engine.from_pretrained(out / "target", out / "drafter", config=cfg)
-    t0 = time.time()
-    outputs = engine.generate([p["prompt"] for p in prompts],
-                              SamplingParams(temperature=0, max_tokens=r.eval_new_tokens, ignore_eos=True))
-    seconds = time.time() - t0
-    accepted = [a for o in outputs for a in o.stats.accepted_lens]
-    hist = Counter(accepted)
+    engine = Engine.from_pretrained(out / "target", out / r.drafter_dir, config=cfg)
     w = engine.block_size
+
+    def run(temperature: float) -> tuple[list, list[int], float]:
+        params = [SamplingParams(temperature=temperature, max_tokens=r.eval_new_tokens, ignore_eos=True,
+                                 seed=i if temperature > 0 else None) for i in range(len(prompts))]
+        t0 = time.time()
+        outputs = engine.generate([p["prompt"] for p in prompts], params)
+        return outputs, [a for o in outputs for a in o.stats.accepted_lens], time.time() - t0
+
+    def figures(accepted: list[int]) -> dict:
+        hist = Counter(accepted)
+        return {"steps": len(accepted), "mean_acceptance_length": round(1 + sum(accepted) / len(accepted), 3),
+                "accepted_histogram": {str(k): hist.get(k, 0) for k in range(w)},
+                "max_share": round(max(hist.values()) / len(accepted), 3),
+                "per_position_acceptance": [round(sum(a >= j for a in accepted) / len(accepted), 3)
+                                            for j in range(1, w)]}
+
+    outputs, accepted, seconds = run(0.0)
     report[key] = {
-        "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else f"cpu ({platform.processor() or platform.machine()})", "prompts": len(prompts), "new_tokens": r.eval_new_tokens, "steps": len(accepted),
-        "mean_acceptance_length": round(1 + sum(accepted) / len(accepted), 3),
-        "accepted_histogram": {str(k): hist.get(k, 0) for k in range(w)},
-        "max_share": round(max(hist.values()) / len(accepted), 3),
-        "per_position_acceptance": [round(sum(a >= j for a in accepted) / len(accepted), 3) for j in range(1, w)],
+        "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else f"cpu ({platform.processor() or platform.machine()})", "prompts": len(prompts), "new_tokens": r.eval_new_tokens,
+        "drafter": r.drafter_dir, "architecture": engine.drafter.config.architecture, **figures(accepted),
         "seconds": round(seconds, 1),
         "samples": [{"prompt": prompts[i]["prompt"], "completion": outputs[i].text} for i in (0, 7, 21)
                     if i < len(outputs)],
     }
     _log(f"eval: mean acceptance length {report[key]['mean_acceptance_length']}, max share {report[key]['max_share']}")
+    for temperature in (t for t in r.eval_temperatures if t > 0):
+        _, accepted, seconds = run(temperature)
+        report[key].setdefault("sampled", {})[str(temperature)] = {**figures(accepted), "seconds": round(seconds, 1)}
+        _log(f"eval at T = {temperature}: mean acceptance length "
+             f"{report[key]['sampled'][str(temperature)]['mean_acceptance_length']}")
     (out / "README.md").write_text(render_readme(report, out))
 
 
@@ -398,6 +437,9 @@ def render_readme(report: dict, out: Path) -> str:
             "- accepted-draft histogram: " + ", ".join(f"{k}: {v}" for k, v in e["accepted_histogram"].items()),
             "- per-position acceptance P(accepted >= j), j = 1..15: " + ", ".join(map(str, e["per_position_acceptance"])),
         ]
+        lines += [f"- at T = {t} (seeded): mean acceptance length **{f['mean_acceptance_length']}** over {f['steps']} steps"
+                  for t, f in e.get("sampled", {}).items()]
+    lines += _other_drafters(report)
     speed = out / "cpu_speed.json"
     if speed.is_file():
         sp = json.loads(speed.read_text())
@@ -418,6 +460,36 @@ def render_readme(report: dict, out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _other_drafters(report: dict) -> list[str]:
+    """README lines for every drafter built beside the shipped one (`drafter_dir` other than `drafter`)."""
+    lines = []
+    for key in sorted(k for k in report if k.startswith("recipe_")):
+        folder = key[len("recipe_"):]
+        r, d = report[key], report.get(folder, {})
+        lines += [
+            "", f"## `{folder}/`: a {d.get('architecture', r['drafter_architecture'])} drafter for the same target", "",
+            "```bash", "python -m dscale_runtime.demo.build --config configs/demo_build_dflash2.yaml",
+            "```", "",
+            (f"- {r['drafter_layers']} layers, block {r['block_size']}, context from target layers "
+             f"{list(r['target_layer_ids'])}, {d.get('parameters')} parameters"
+             + (f"; block convolutions of {r['conv_kernel_size']} taps in groups of {r['conv_group_size']} channels, a "
+                f"selector over the top {r['selector_top_k']} candidates of rank {r['selector_rank']} (loss weight "
+                f"{r['selector_weight']:g})" if r["drafter_architecture"] == "dflash2" else "")
+             + f"; {r['drafter_steps']} steps in {d.get('train_seconds')} s, the same data and schedule as `drafter/`."),
+            (f"- on {d.get('heldout_sequences')} held-out greedy sequences (teacher-forced blocks): "
+             f"{d.get('heldout_accepted')} accepted drafts per block"),
+        ]
+        for device in ("cpu", "cuda"):
+            e = report.get(f"eval_{device}_{folder}")
+            if e:
+                lines.append(f"- full-width greedy on {e['prompts']} held-out prompts x {e['new_tokens']} tokens "
+                             f"({e['device']}, fp32): mean acceptance length **{e['mean_acceptance_length']}** over "
+                             f"{e['steps']} steps")
+                lines += [f"- at T = {t} (seeded): mean acceptance length **{f['mean_acceptance_length']}** over "
+                          f"{f['steps']} steps" for t, f in e.get("sampled", {}).items()]
+    return lines
+
+
 def build(recipe: DemoRecipe) -> dict:
     """Run the recipe's stages; returns the build report (also written to out/build_report.json)."""
     unknown = [s for s in recipe.stages if s not in STAGES]
@@ -425,10 +497,16 @@ def build(recipe: DemoRecipe) -> dict:
         raise ValueError(f"unknown stage(s) {unknown}; choose from {STAGES}")
     if recipe.vocab_size > 8192:
         raise ValueError(f"vocab_size={recipe.vocab_size}: the demo tokenizer is capped at 8192")
+    if recipe.drafter_architecture not in ("dflash", "dflash2"):
+        raise ValueError(f"drafter_architecture={recipe.drafter_architecture!r}: choose 'dflash' or 'dflash2'")
+    if recipe.drafter_dir in ("", ".", "target", "work") or "/" in recipe.drafter_dir:
+        raise ValueError(f"drafter_dir={recipe.drafter_dir!r}: a folder name under out other than target/ and work/")
+    if recipe.drafter_architecture == "dflash2" and recipe.hidden_size % recipe.conv_group_size:
+        raise ValueError(f"conv_group_size={recipe.conv_group_size} must divide hidden_size={recipe.hidden_size}")
     out = Path(recipe.out)
     out.mkdir(parents=True, exist_ok=True)
     report = _report(out)
-    report["recipe"] = asdict(recipe)
+    report["recipe" + _suffix(recipe)] = asdict(recipe)
     report["software"] = {"python": sys.version.split()[0], "torch": torch.__version__}
     steps = {"tokenizer": stage_tokenizer, "target": stage_target, "drafter": stage_drafter, "eval": stage_eval}
     for stage in recipe.stages:
