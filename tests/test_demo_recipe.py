@@ -196,3 +196,5 @@ def test_tiny_recipe_builds_a_dflash2_drafter_beside_the_dflash1_one(tiny_pair):
         build(replace(recipe, conv_group_size=48))
     with pytest.raises(ValueError, match="drafter_dir"):
         build(replace(recipe, drafter_dir="target"))
+    with pytest.raises(ValueError, match="drafter_dir"):
+        build(replace(recipe, drafter_dir="data"))

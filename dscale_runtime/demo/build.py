@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import sys
 import time
 from collections import Counter
@@ -62,8 +63,8 @@ class DemoRecipe:
     drafter_architecture: str = "dflash"
     """`dflash` (z-lab `DFlashDraftModel`) or `dflash2` (`DFlash2DraftModel`: block convolutions and a selector)."""
     drafter_dir: str = "drafter"
-    """Folder under `out` the drafter stage writes and the eval stage reads (e.g. `drafter2` beside the DFlash 1
-    drafter); its report entries are keyed by it (`drafter2`, `eval_cuda_drafter2`, `recipe_drafter2`)."""
+    """Folder under `out` the drafter stage writes and the eval stage reads, named `drafter...` (e.g. `drafter2` beside
+    the DFlash 1 drafter); its report entries are keyed by it (`drafter2`, `eval_cuda_drafter2`, `recipe_drafter2`)."""
     conv_kernel_size: int = 4
     """DFlash 2: taps of each block convolution."""
     conv_group_size: int = 32
@@ -499,8 +500,9 @@ def build(recipe: DemoRecipe) -> dict:
         raise ValueError(f"vocab_size={recipe.vocab_size}: the demo tokenizer is capped at 8192")
     if recipe.drafter_architecture not in ("dflash", "dflash2"):
         raise ValueError(f"drafter_architecture={recipe.drafter_architecture!r}: choose 'dflash' or 'dflash2'")
-    if recipe.drafter_dir in ("", ".", "target", "work") or "/" in recipe.drafter_dir:
-        raise ValueError(f"drafter_dir={recipe.drafter_dir!r}: a folder name under out other than target/ and work/")
+    if not re.fullmatch(r"drafter[A-Za-z0-9_-]*", recipe.drafter_dir):
+        raise ValueError(f"drafter_dir={recipe.drafter_dir!r}: a folder name under out that starts with 'drafter' "
+                         "(its report entries are keyed by it), e.g. drafter2")
     if recipe.drafter_architecture == "dflash2" and recipe.hidden_size % recipe.conv_group_size:
         raise ValueError(f"conv_group_size={recipe.conv_group_size} must divide hidden_size={recipe.hidden_size}")
     out = Path(recipe.out)
