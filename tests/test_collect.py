@@ -163,6 +163,14 @@ def _records(folder: Path) -> list[dict]:
 
 def test_sigkill_then_resume_equals_uninterrupted_run(tiny_setup):
     root, config = tiny_setup
+    # NOTE: half the prompts and half the tokens of tiny_setup (8 shards, not 16): three collector processes run
+    # here, and this was the suite's slowest test
+    section = yaml.safe_load(config.read_text())["collect"]
+    source = section["datasets"][0]
+    rows = [json.loads(line) for line in Path(source["path"]).read_text().splitlines()][:12]
+    config = root / "sigkill.yaml"
+    config.write_text(yaml.safe_dump({"collect": dict(section, max_new_tokens=20, datasets=[
+        dict(source, path=str(_write_jsonl(root / "prompts12.jsonl", rows)))])}))
     whole, crashed = root / "whole", root / "crashed"
     assert _run(config, whole).wait(timeout=300) == 0
     proc = _run(config, crashed)
