@@ -12,7 +12,7 @@ import yaml
 from checkpoints import write_drafter, write_drafter2, write_target
 from dscale_runtime.attention import build_metadata
 from dscale_runtime.config import EngineConfig, SamplingParams
-from dscale_runtime.demo.build import DemoRecipe, build
+from dscale_runtime.demo.build import STAGES, DemoRecipe, build
 from dscale_runtime.demo.corpus import is_held_out, split_files, stdlib_root
 from dscale_runtime.demo.train import draft_train_forward
 from dscale_runtime.engine import Engine
@@ -192,6 +192,10 @@ def test_tiny_recipe_builds_a_dflash2_drafter_beside_the_dflash1_one(tiny_pair):
     got = Engine.from_pretrained(out / "target", out / "drafter2", config=EngineConfig(mode="dflash")).generate(
         prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # an eval-only rerun of the DFlash 1 drafter adds its T = 1 figures and keeps the recipe it was built with
+    again = build(replace(recipe, stages=("eval",), drafter_architecture="dflash", drafter_dir="drafter"))
+    assert again["recipe"]["stages"] == list(STAGES) and "1.0" in again["eval_cpu"]["sampled"]
+    assert [r["stages"] for r in again["runs"][-2:]] == [["drafter", "eval"], ["eval"]]
     with pytest.raises(ValueError, match="conv_group_size"):
         build(replace(recipe, conv_group_size=48))
     with pytest.raises(ValueError, match="drafter_dir"):

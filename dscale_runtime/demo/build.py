@@ -508,7 +508,12 @@ def build(recipe: DemoRecipe) -> dict:
     out = Path(recipe.out)
     out.mkdir(parents=True, exist_ok=True)
     report = _report(out)
-    report["recipe" + _suffix(recipe)] = asdict(recipe)
+    key = "recipe" + _suffix(recipe)
+    # NOTE: an eval-only run keeps the recipe the artifacts were built with; every run is listed in `runs`
+    if key not in report or set(recipe.stages) - {"eval"}:
+        report[key] = asdict(recipe)
+    report.setdefault("runs", []).append({"stages": list(recipe.stages), "drafter_dir": recipe.drafter_dir,
+                                          "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
     report["software"] = {"python": sys.version.split()[0], "torch": torch.__version__}
     steps = {"tokenizer": stage_tokenizer, "target": stage_target, "drafter": stage_drafter, "eval": stage_eval}
     for stage in recipe.stages:
