@@ -3,9 +3,10 @@
 A DScale engine (`--predictor`; the default `artifacts/demo.pt` is trained and calibrated at T = 0 and T = 1 since
 2026-12-03, so the drift shows with a predictor trained on greedy traces alone, e.g. from `dscale-train --target
 demo --temperatures '[0.0]'`) serves a closed loop of `--concurrency` requests: greedy until `--greedy-steps`
-request-steps, then seeded T = 1 (the top-1 rule, whose output equals target-only sampling token for token). After every committed step it records the live calibration error the
-engine reports (`Engine.calibration.report()`, the /metrics figures: ECE of P(accepted >= j), j = 1..3, over
-the request-steps that verified j) and, with `--retention` (full-width verification beside each DScale step,
+request-steps, then seeded T = 1 (the top-1 rule, whose output equals target-only sampling token for token).
+After every committed step it records the live calibration error the engine reports
+(`Engine.calibration.report()`, the /metrics figures: ECE of P(accepted >= j), j = 1..3, over the request-steps
+that verified j) and, with `--retention` (full-width verification beside each DScale step,
 for analysis only), the uncensored error over every request-step against the full-width accepted count,
 same window. Prints, per run (`--calibration on,off`), when after the move to T = 1 the live error came back
 under `--threshold` and stayed there, the errors at the end, retention, accepted drafts per request-step; and

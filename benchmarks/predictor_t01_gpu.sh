@@ -6,7 +6,8 @@
 #   OUT/train.log     the trainer's tail                    OUT/report.json    the trained predictor's report
 #   OUT/<name>.pt     the trained artifact                  OUT/shipped.json   predictor_report.py over both artifacts
 # Usage: bash benchmarks/predictor_t01_gpu.sh OUT [MAX_PROMPTS (0 = all)] [NAME]
-# DEVICE (default cuda) runs the collector elsewhere, for a smoke test. Each step has its own time limit (COLLECT_TIMEOUT 330 s, TRAIN_TIMEOUT 180 s) to end inside a 10-minute call.
+# DEVICE (default cuda) runs the collector elsewhere, for a smoke test. Each step has its own time limit
+# (COLLECT_TIMEOUT 330 s, TRAIN_TIMEOUT 180 s) to end inside a 10-minute call.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/predictor_t01_gpu.sh OUT [MAX_PROMPTS] [NAME]}
 max_prompts=${2:-0}
@@ -19,9 +20,9 @@ traces=$work/traces
 limit=()
 [ "$max_prompts" != 0 ] && limit=(--max-prompts "$max_prompts")
 start=$(date +%s)
-timeout -k 10 "${COLLECT_TIMEOUT:-330}" python -m trace_collection.collect --config configs/demo.yaml --device "${DEVICE:-cuda}" \
-  --concurrency '[16]' --temperatures '[0.0, 1.0]' --chunk-prompts 16 "${limit[@]}" --output "$traces" \
-  > "$work/collect.log" 2>&1
+timeout -k 10 "${COLLECT_TIMEOUT:-330}" python -m trace_collection.collect --config configs/demo.yaml \
+  --device "${DEVICE:-cuda}" --concurrency '[16]' --temperatures '[0.0, 1.0]' --chunk-prompts 16 "${limit[@]}" \
+  --output "$traces" > "$work/collect.log" 2>&1
 echo "collect exit $? after $(( $(date +%s) - start )) s" | tee "$out/collect.log"
 tr '\r' '\n' < "$work/collect.log" | tail -4 >> "$out/collect.log"
 cp "$traces/manifest.json" "$out/manifest.json" 2>/dev/null

@@ -60,8 +60,9 @@ def sequential_counts(cond: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def test_the_offline_fit_recovers_a_known_miscalibration():
-    """Raw conditionals x whose true acceptance is 0.6 x^1.5 (a predictor that over-promises, as one trained on greedy traces does at
-    T = 1): the fitted map is that law within sampling error, and P(accepted >= j) through it is calibrated."""
+    """Raw conditionals x whose true acceptance is 0.6 x^1.5 (a predictor that over-promises, as one trained on
+    greedy traces does at T = 1): the fitted map is that law within sampling error, and P(accepted >= j) through
+    it is calibrated."""
     from dscale_predictor.evaluate import ece
 
     rng = np.random.default_rng(3)

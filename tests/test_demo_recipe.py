@@ -180,7 +180,8 @@ def test_tiny_recipe_builds_a_dflash2_drafter_beside_the_dflash1_one(tiny_pair):
     assert config["dflash_config"]["selector_top_k"] == 8 and config["dflash_config"]["conv_group_size"] == 16
     target = load_target(out / "target", "float32")
     assert isinstance(load_drafter(out / "drafter2", target.config, "float32"), DFlash2DraftModel)
-    assert report["drafter2"]["architecture"] == "DFlash2DraftModel" and report["recipe_drafter2"]["drafter_dir"] == "drafter2"
+    assert report["drafter2"]["architecture"] == "DFlash2DraftModel"
+    assert report["recipe_drafter2"]["drafter_dir"] == "drafter2"
     assert report["recipe"]["drafter_architecture"] == "dflash" and "eval_cpu" in report
     sampled = report["eval_cpu_drafter2"]["sampled"]["1.0"]
     assert sampled["steps"] > 0 and sampled["mean_acceptance_length"] >= 1.0

@@ -329,10 +329,11 @@ def stage_drafter(r: DemoRecipe, out: Path, report: dict) -> None:
     (folder / "config.json").write_text(json.dumps(cfg_json, indent=2))
     state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    report[r.drafter_dir] = {"architecture": cfg.architecture, "parameters": sum(p.numel() for p in drafter.parameters()),
-                         "greedy_sequences": list(sequences.shape), "generate_seconds": round(gen_seconds, 1),
-                         "train_seconds": round(train_seconds, 1), "heldout_sequences": holdout,
-                         "heldout_accepted": round(fresh, 3), "curve": curve}
+    report[r.drafter_dir] = {"architecture": cfg.architecture,
+                             "parameters": sum(p.numel() for p in drafter.parameters()),
+                             "greedy_sequences": list(sequences.shape), "generate_seconds": round(gen_seconds, 1),
+                             "train_seconds": round(train_seconds, 1), "heldout_sequences": holdout,
+                             "heldout_accepted": round(fresh, 3), "curve": curve}
     _log(f"drafter: trained in {train_seconds:.0f} s")
 
 
@@ -476,7 +477,8 @@ def _other_drafters(report: dict) -> list[str]:
              + (f"; block convolutions of {r['conv_kernel_size']} taps in groups of {r['conv_group_size']} channels, a "
                 f"selector over the top {r['selector_top_k']} candidates of rank {r['selector_rank']} (loss weight "
                 f"{r['selector_weight']:g})" if r["drafter_architecture"] == "dflash2" else "")
-             + f"; {r['drafter_steps']} steps in {d.get('train_seconds')} s, the same data and schedule as `drafter/`."),
+             + f"; {r['drafter_steps']} steps in {d.get('train_seconds')} s, the same data and schedule as "
+               "`drafter/`."),
             (f"- on {d.get('heldout_sequences')} held-out greedy sequences (teacher-forced blocks): "
              f"{d.get('heldout_accepted')} accepted drafts per block"),
         ]
