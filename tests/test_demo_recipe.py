@@ -74,6 +74,18 @@ def tiny_pair(tmp_path_factory):
     return out, report
 
 
+def assert_dflash_equals_target(out, drafter_dir: str) -> None:
+    """DFlash with the built drafter `out/<drafter_dir>` decodes the first held-out prompts as target-only does."""
+    from dscale_runtime.demo.prompts import load_prompt_file
+
+    prompts = [p["prompt"] for p in load_prompt_file(out / "prompts.jsonl")[:4]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = Engine.from_pretrained(out / "target", config=EngineConfig(mode="target")).generate(prompts, params)
+    got = Engine.from_pretrained(out / "target", out / drafter_dir, config=EngineConfig(mode="dflash")).generate(
+        prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
 def test_greedy_cache_reused_only_for_the_same_target_and_settings(tiny_pair, monkeypatch):
     from dscale_runtime.demo import build as build_mod
 
@@ -107,13 +119,7 @@ def test_tiny_recipe_end_to_end(tiny_pair):
         "dflash_config"]["mask_token_id"]
     hf = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32)
     assert hf.config.num_key_value_heads < hf.config.num_attention_heads
-    prompts = [p["prompt"] for p in json.loads("[" + ",".join((out / "prompts.jsonl").read_text().split("\n")[:-1])
-                                               + "]")][:4]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = Engine.from_pretrained(out / "target", config=EngineConfig(mode="target")).generate(prompts, params)
-    got = Engine.from_pretrained(out / "target", out / "drafter", config=EngineConfig(mode="dflash")).generate(
-        prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert_dflash_equals_target(out, "drafter")
 
 
 def test_draft_slot_loss_mixes_cross_entropy_and_kl():
@@ -186,13 +192,7 @@ def test_tiny_recipe_builds_a_dflash2_drafter_beside_the_dflash1_one(tiny_pair):
     sampled = report["eval_cpu_drafter2"]["sampled"]["1.0"]
     assert sampled["steps"] > 0 and sampled["mean_acceptance_length"] >= 1.0
     assert "`drafter2/`: a DFlash2DraftModel drafter" in (out / "README.md").read_text()
-    prompts = [p["prompt"] for p in json.loads("[" + ",".join((out / "prompts.jsonl").read_text().split("\n")[:-1])
-                                               + "]")][:4]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = Engine.from_pretrained(out / "target", config=EngineConfig(mode="target")).generate(prompts, params)
-    got = Engine.from_pretrained(out / "target", out / "drafter2", config=EngineConfig(mode="dflash")).generate(
-        prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert_dflash_equals_target(out, "drafter2")
     # an eval-only rerun of the DFlash 1 drafter adds its T = 1 figures and keeps the recipe it was built with
     again = build(replace(recipe, stages=("eval",), drafter_architecture="dflash", drafter_dir="drafter"))
     assert again["recipe"]["stages"] == list(STAGES) and "1.0" in again["eval_cpu"]["sampled"]
