@@ -34,12 +34,20 @@ from dscale_runtime.engine import Engine
 
 
 def build(mode: str, concurrency: int, dtype: str, predictor: Path, graphs: bool, overlap: bool = True,
-          prefill_graphs: bool = True, admission_group: int = 1) -> Engine:
+          prefill_graphs: bool = True, admission_group: int = 1, drafter: str = "drafter") -> Engine:
     config = EngineConfig(mode=mode, max_running_requests=concurrency, device="cuda", dtype=dtype, max_model_len=1024,
                           step_graphs=graphs, overlap_schedule=overlap, prefill_graphs=prefill_graphs,
                           admission_group=admission_group)
-    return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
+    return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / drafter if mode != "target" else None,
                                   predictor if mode == "dscale" else None, config=config)
+
+
+def build_named(name: str, concurrency: int, args) -> Engine:
+    """`--modes` entries: target, dflash, dscale over the DFlash 1 drafter; dflash2, dscale2 over `drafter2/` (the
+    DFlash 2 drafter, DScale with `--predictor2`)."""
+    if name.endswith("2"):
+        return build(name[:-1], concurrency, args.dtype, args.predictor2, args.step_graphs, drafter="drafter2")
+    return build(name, concurrency, args.dtype, args.predictor, args.step_graphs)
 
 
 def timed(engine: Engine, prompts: list[str], params: list[SamplingParams], min_seconds: float = 0.0
@@ -126,6 +134,8 @@ def main() -> None:
                         help="T, T/top_p or T/top_p/top_k per point (0 = greedy)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--predictor", type=Path, default=DEMO_DIR.parent / "demo.pt")
+    parser.add_argument("--predictor2", type=Path, default=DEMO_DIR.parent / "demo_dflash2.pt",
+                        help="DScale's predictor over the DFlash 2 drafter (mode dscale2)")
     parser.add_argument("--step-graphs", action="store_true", help="capture every mode's steps (CUDA graphs)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per point (the median is kept)")
     parser.add_argument("--min-seconds", type=float, default=0.0,
@@ -136,14 +146,14 @@ def main() -> None:
                         help="also time a DFlash engine with EngineConfig.prefill_graphs off")
     parser.add_argument("--admission-groups", type=int, nargs="*", default=[],
                         help="also time DFlash and DScale engines with these EngineConfig.admission_group values")
-    parser.add_argument("--modes", nargs="+", default=["target", "dflash", "dscale"])
+    parser.add_argument("--modes", nargs="+", default=["target", "dflash", "dscale"],
+                        help="target, dflash, dscale; dflash2 and dscale2 run the DFlash 2 drafter (drafter2/)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in stdlib_prompts()[: args.prompts]]
     rows = []
     for c in args.concurrency:
-        engines = {mode: build(mode, c, args.dtype, args.predictor, args.step_graphs)
-                   for mode in args.modes}
+        engines = {mode: build_named(mode, c, args) for mode in args.modes}
         for group in args.admission_groups:
             for mode in ("dflash", "dscale"):
                 engines[f"{mode} group{group}"] = build(mode, c, args.dtype, args.predictor, args.step_graphs,

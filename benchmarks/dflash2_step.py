@@ -120,28 +120,40 @@ def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> 
                                "acceptance5_dflash2_within_1.05": ratios["dflash2/dflash1 greedy"] <= 1.05}
 
 
+def kernel_diff(a: dict, b: dict, top: int = 25) -> list[dict]:
+    """Kernels whose time per step differs most from table `a` to table `b` (ms and calls, b - a)."""
+    diff = sorted(((k, b.get(k, [0.0, 0])[0] - a.get(k, [0.0, 0])[0], b.get(k, [0, 0])[1] - a.get(k, [0, 0])[1])
+                   for k in set(a) | set(b)), key=lambda d: -abs(d[1]))
+    return [{"kernel": k, "ms": round(ms, 4), "calls": c} for k, ms, c in diff[:top]]
+
+
 def profile_section(bench: Bench, drafters: dict, n: int, args, result: dict, reps: int = 5) -> None:
-    """Where DFlash 2's extra step time goes: each drafter's greedy DFlash step (captured on CUDA) profiled by kernel
-    name (`gpu_step.kernel_table`), and the kernels whose time per step differs most between the two."""
+    """Where DFlash 2's extra step time goes: each drafter's greedy DFlash and DScale steps (captured on CUDA)
+    profiled by kernel name (`gpu_step.kernel_table`); the kernels whose time per step differs most from DFlash 1's
+    DFlash step to DFlash 2's, and from each drafter's DFlash step to its DScale step (what DScale adds or saves
+    over each drafter)."""
     graphs = bench.device.type == "cuda"
     tables = {}
     for name, drafter in drafters.items():
-        _, runner, batch, kind = step_result(bench, drafter, "dflash", n, "greedy", graphs, args.ratio, name)
-        for _ in range(3):
-            batch.run(runner, kind)
-        tables[name] = kernel_table(lambda: batch.run(runner, kind), bench.device, reps)
-        del runner
-        release(bench.device)
-    one, two = tables["dflash1"]["all"], tables["dflash2"]["all"]
-    diff = sorted(((k, two.get(k, [0.0, 0])[0] - one.get(k, [0.0, 0])[0], two.get(k, [0, 0])[1] - one.get(k, [0, 0])[1])
-                   for k in set(one) | set(two)), key=lambda d: -abs(d[1]))
+        for mode in ("dflash", "dscale"):
+            _, runner, batch, kind = step_result(bench, drafter, mode, n, "greedy", graphs, args.ratio, name)
+            for _ in range(3):
+                batch.run(runner, kind)
+            tables[f"{name} {mode}"] = kernel_table(lambda: batch.run(runner, kind), bench.device, reps)
+            del runner
+            release(bench.device)
+    diffs = {"dflash2_minus_dflash1": kernel_diff(tables["dflash1 dflash"]["all"], tables["dflash2 dflash"]["all"])}
+    for name in ("dflash1", "dflash2"):
+        diffs[f"{name}_dscale_minus_dflash"] = kernel_diff(tables[f"{name} dflash"]["all"],
+                                                           tables[f"{name} dscale"]["all"])
     result.setdefault("profile", {})[str(n)] = {
-        **{name: {k: v for k, v in t.items() if k != "all"} for name, t in tables.items()},
-        "dflash2_minus_dflash1": [{"kernel": k, "ms": round(ms, 4), "calls": c} for k, ms, c in diff[:25]]}
-    print(f"  N={n:3d} profile: dflash1 {tables['dflash1']['total_ms']:.3f} ms in {tables['dflash1']['launches']} "
-          f"launches, dflash2 {tables['dflash2']['total_ms']:.3f} ms in {tables['dflash2']['launches']}", flush=True)
-    for k, ms, c in diff[:15]:
-        print(f"    {ms:+8.4f} ms {c:+4d} calls  {k[:100]}", flush=True)
+        **{name: {k: v for k, v in t.items() if k != "all"} for name, t in tables.items()}, **diffs}
+    print(f"  N={n:3d} profile: " + ", ".join(f"{name} {t['total_ms']:.3f} ms in {t['launches']} launches"
+                                              for name, t in tables.items()), flush=True)
+    for key, rows in diffs.items():
+        print(f"    {key}:", flush=True)
+        for row in rows[:12]:
+            print(f"    {row['ms']:+8.4f} ms {row['calls']:+4d} calls  {row['kernel'][:100]}", flush=True)
 
 
 def parse_args(argv):
@@ -162,7 +174,8 @@ def parse_args(argv):
                         help=">= 1: also time DFlash 2 with its candidates' top-k over this many vocabulary slices "
                              "(`dflash2-cC`; 1 = one torch.topk; the default is candidate_chunks(V, k): 1,187 at "
                              "Qwen3's vocabulary)")
-    parser.add_argument("--profile", action="store_true", help="also profile both drafters' greedy DFlash steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile both drafters' greedy DFlash and DScale steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tiny:

@@ -348,25 +348,46 @@ def test_candidate_topk_over_slices_keeps_the_top_k():
             assert torch.equal(ids, want_ids)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_slice_maxima_equal_amax(interpreter, dtype):
+    """The one-launch slice maxima (Triton's interpreter) equal `amax` over each slice exactly, at a power-of-two
+    slice width and at one that is not (masked columns), on a strided row view; the top-k over slices through
+    them equals the one through torch's maxima."""
+    from dscale_runtime.kernels.triton_conv import slice_max_triton
+
+    gen = torch.Generator().manual_seed(1)
+    for vocab, chunks in ((4096, 32), (1200, 50)):  # slices of 128 and of 24
+        wide = torch.randn(5, vocab + 8, generator=gen).to(dtype)
+        logits = wide[:, 4:4 + vocab]  # rows strided by vocab + 8
+        logits[1, :vocab // chunks] = 50.0  # a slice of equal maxima
+        got = slice_max_triton(logits, chunks)
+        assert torch.equal(got, logits.reshape(5, chunks, -1).amax(-1))
+        want = candidate_topk(logits, 16, chunks)
+        tri = candidate_topk(logits, 16, chunks, backend="triton")
+        assert torch.equal(tri[0], want[0]) and torch.equal(tri[1], want[1])
+
+
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("backend", ["ref", "triton"])
 @pytest.mark.parametrize("rows", [120, 480])
-def test_candidate_topk_over_slices_captured_at_qwen3_vocabulary(rows):
-    """At Qwen3's vocabulary (1,187 slices) and the draft rows of N = 8 / 32, bf16: replayed from a CUDA graph over
-    new logits, the sliced top-k equals its eager call and torch.topk's values."""
+def test_candidate_topk_over_slices_captured_at_qwen3_vocabulary(rows, backend):
+    """At Qwen3's vocabulary (1,187 slices) and the draft rows of N = 8 / 32, bf16, with torch's slice maxima and
+    the Triton ones: replayed from a CUDA graph over new logits, the sliced top-k equals its eager call and
+    torch.topk's values."""
     vocab = 151936
     chunks = candidate_chunks(vocab, 16)
     gen = torch.Generator(device="cuda").manual_seed(rows)
     logits = torch.randn(rows, vocab, generator=gen, device="cuda").to(torch.bfloat16)
-    candidate_topk(logits, 16, chunks)  # warm-up outside the capture
+    candidate_topk(logits, 16, chunks, backend)  # warm-up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        values, ids = candidate_topk(logits, 16, chunks)
+        values, ids = candidate_topk(logits, 16, chunks, backend)
     for _ in range(2):
         logits.copy_(torch.randn(rows, vocab, generator=gen, device="cuda").to(torch.bfloat16))
         graph.replay()
-        eager = candidate_topk(logits, 16, chunks)
+        eager = candidate_topk(logits, 16, chunks, backend)
         assert torch.equal(values, eager[0]) and torch.equal(ids, eager[1])
         assert torch.equal(values, logits.topk(16, dim=-1).values) and torch.equal(logits.gather(1, ids), values)
 

@@ -1,16 +1,24 @@
-"""Triton kernel of DFlash 2's grouped dynamic causal convolution over packed blocks (`models/dflash2.py`).
+"""Triton kernels of DFlash 2's drafter (`models/dflash2.py`): the grouped dynamic causal convolution over packed
+blocks, and the slice maxima of the candidates' top-k.
 
-One launch per convolution (the reference, `dflash2.block_convolve_ref`, takes about six torch launches: flips,
-the zero padding, the tap weights, their product and the sum): a program per (block row, channel tile) reads
-the row's `taps` predecessors inside its own block (slot = row % W; taps before slot 0 read zeros, so no tap
-reaches another request's block), the base taps and the row's dynamic taps, and writes the row. It rounds
+Convolution: one launch per convolution (the reference, `dflash2.block_convolve_ref`, takes about six torch
+launches: flips, the zero padding, the tap weights, their product and the sum): a program per (block row, channel
+tile) reads the row's `taps` predecessors inside its own block (slot = row % W; taps before slot 0 read zeros, so
+no tap reaches another request's block), the base taps and the row's dynamic taps, and writes the row. (A program
+per block walking its W slots, each row read once, took 4-10x longer at Qwen3-8B width on the H200: 32-128
+programs are too few; docs/benchmarks.md, 2026-12-04.) It rounds
 where the reference's torch sequence rounds: each tap weight base + dynamic and each product to the tensor
 dtype, the fp32 sum over the taps once at the end (added in the reference's order, oldest slot first; torch
 may reduce those few terms in another order, so the last bit of a 16-bit output may differ; fp32 agrees to
-rounding). Grids depend on shapes only: safe to capture in a CUDA graph.
+rounding).
+
+Slice maxima: a program per (row, 16 slices) loads the slices as one tile and writes their maxima (exact: a
+maximum does not round), about 6x faster than torch's `amax` over [R, 1,187, 128] at Qwen3's vocabulary.
+
+Grids depend on shapes only: safe to capture in a CUDA graph.
 
 This module imports triton at import time: import it only through `models/dflash2.py`'s router, which does so
-lazily. With TRITON_INTERPRET=1 set before triton is imported, the kernel runs in the interpreter (CPU tests).
+lazily. With TRITON_INTERPRET=1 set before triton is imported, the kernels run in the interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -41,6 +49,17 @@ def _block_conv_kernel(x_ptr, dyn_ptr, base_ptr, out_ptr, d, width, dyn_row, dyn
     tl.store(out_ptr + row * d + cols, _round(acc, DTYPE).to(DTYPE), mask=inside)
 
 
+@triton.jit
+def _slice_max_kernel(x_ptr, out_ptr, row_stride, chunks, width, SLICES: tl.constexpr, WIDTH: tl.constexpr):
+    row = tl.program_id(0)
+    at = tl.program_id(1) * SLICES + tl.arange(0, SLICES)
+    cols = tl.arange(0, WIDTH)
+    ok = at < chunks
+    v = tl.load(x_ptr + row * row_stride + at[:, None] * width + cols[None, :],
+                mask=ok[:, None] & (cols[None, :] < width), other=float("-inf"))
+    tl.store(out_ptr + row * chunks + at, tl.max(v, axis=1), mask=ok)
+
+
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -67,4 +86,26 @@ def block_convolve_triton(
     grid = (rows, triton.cdiv(d, block))
     _block_conv_kernel[grid](x, dynamic, base, out, d, width, dynamic.stride(1), dynamic.stride(2), TAPS=taps,
                              GROUP=group_size, BLOCK=block, DTYPE=_TL[x.dtype], num_warps=4, **_LAUNCH)
+    return out
+
+
+SLICES_PER_PROGRAM = 16
+
+
+def slice_max_triton(logits: torch.Tensor, chunks: int) -> torch.Tensor:
+    """logits [R, V] (unit column stride) -> the maximum of each of `chunks` equal slices of every row [R, chunks]
+    (`logits.view(R, chunks, V // chunks).amax(-1)`, exactly: a maximum does not round), in one launch of
+    programs per (row, 16 slices); NaN logits are not propagated as torch.amax does."""
+    r, vocab = logits.shape
+    assert vocab % chunks == 0 and logits.stride(1) == 1, (logits.shape, logits.stride(), chunks)
+    if not logits.is_cuda and not interpreted():
+        raise RuntimeError("the Triton slice maxima on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    out = torch.empty(r, chunks, dtype=logits.dtype, device=logits.device)
+    if r == 0:
+        return out
+    width = vocab // chunks
+    grid = (r, triton.cdiv(chunks, SLICES_PER_PROGRAM))
+    _slice_max_kernel[grid](logits, out, logits.stride(0), chunks, width, SLICES=SLICES_PER_PROGRAM,
+                            WIDTH=triton.next_power_of_2(width), num_warps=4)
     return out

@@ -184,19 +184,27 @@ def candidate_chunks(vocab: int, k: int) -> int:
     return vocab // best
 
 
-def candidate_topk(logits: torch.Tensor, k: int, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def candidate_topk(logits: torch.Tensor, k: int, chunks: int = 1,
+                   backend: str = "ref") -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits of each row [R, V] and their token ids, largest first (`torch.topk`'s result). With
-    `chunks` > 1 (k <= chunks, dividing V): the maximum of each of `chunks` equal slices (one pass over the row),
-    the k slices with the largest maxima, then the top k of those k slices alone. Exact: a token among the row's
-    k largest lies in a slice whose maximum is among the k largest maxima (else k slices would each hold a larger
-    token); among tied values either keeps any of them, as torch.topk does."""
+    `chunks` > 1 (k <= chunks, dividing V): the maximum of each of `chunks` equal slices (one pass over the row;
+    one Triton launch when `backend`, a KernelChoice's `fused`, resolves to 'triton': `triton_conv.slice_max_triton`,
+    the same maxima), the k slices with the largest maxima, then the top k of those k slices alone. Exact: a token
+    among the row's k largest lies in a slice whose maximum is among the k largest maxima (else k slices would
+    each hold a larger token); among tied values either keeps any of them, as torch.topk does."""
     if chunks <= 1:
         return logits.topk(k, dim=-1)
     r, vocab = logits.shape
     assert vocab % chunks == 0 and k <= chunks, "chunks must divide the vocabulary into at least k slices"
     width = vocab // chunks
     slices = logits.view(r, chunks, width)
-    _, best = slices.amax(dim=-1).topk(k, dim=-1)  # [R, k] the slices with the k largest maxima
+    if fused_backend(logits, backend) == "triton" and logits.stride(1) == 1:
+        from dscale_runtime.kernels.triton_conv import slice_max_triton
+
+        maxima = slice_max_triton(logits, chunks)
+    else:
+        maxima = slices.amax(dim=-1)
+    _, best = maxima.topk(k, dim=-1)  # [R, k] the slices with the k largest maxima
     picked = slices[torch.arange(r, device=logits.device)[:, None], best]  # [R, k, width] the k slices
     values, at = picked.view(r, k * width).topk(k, dim=-1)
     return values, best.gather(1, at // width) * width + at % width
@@ -233,7 +241,8 @@ class DFlash2DraftModel(DFlashDraftModel):
                                                     sel.selector_top_k)
         # NOTE: the candidates' top-k over vocabulary slices (exact; one torch.topk below CHUNKED_TOPK_VOCAB): at
         # Qwen3's vocabulary 1,187 slices, captured == eager, and the DFlash 2 step 2-4% faster on the H200
-        # (docs/benchmarks.md, 2026-12-03); `benchmarks/dflash2_step.py --candidate-chunks` times a setting beside
+        # (docs/benchmarks.md, 2026-12-03; the slice maxima in Triton since 2026-12-04, ~6x torch's amax);
+        # `benchmarks/dflash2_step.py --candidate-chunks` times a setting beside
         self.candidate_chunks = candidate_chunks(cfg.layers.vocab_size, sel.selector_top_k)
 
     def _layer(self, cfg: DFlashConfig, kernels: KernelChoice, tp: TensorParallel | None) -> Qwen3DecoderLayer:
@@ -255,7 +264,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         hidden = self(target.embed(block.view(-1)), meta, caches).view(n, w, -1)[:, 1:]
         logits = self.head_logits(hidden, target)  # [N, W-1, V]
         unary, candidates = candidate_topk(logits.view(n * (w - 1), -1), self.candidate_selector.top_k,
-                                           self.candidate_chunks)
+                                           self.candidate_chunks, self.kernels.fused)
         unary, candidates = unary.view(n, w - 1, -1), candidates.view(n, w - 1, -1)
         # NOTE: the logit scaling is monotone (output_multiplier > 0, tanh cap): applied to the top-k only
         unary = self.scale_logits(unary.float())
