@@ -3,7 +3,7 @@
 # configuration below, each swept by dscale-bench --url over concurrency 1, 8, 32 at three sampling points
 # (greedy; T = 1; T = 0.7 / top_p 0.8), one pass of >= MIN_S seconds per point after 8 warm-up requests.
 # Server flags in CONFIGS reach dscale-serve as written (e.g. --switch-interval-ms 5 for CPython's default).
-# Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S, ROUNDS)
+# Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S, ROUNDS, PIN)
 # Writes OUT_DIR/<config>/<point>/bench.{json,csv} (<point>.r<round> with ROUNDS > 1) and server logs; then prints
 # one table of every point, the median over the rounds with their spread (benchmarks/serve_sweep_summary.py, also
 # written to OUT_DIR/summary.json).
@@ -22,16 +22,33 @@ points=${POINTS:-"greedy:--temperature 0;t1:--temperature 1;t07p08:--temperature
 running=$(tr ',' '\n' <<<"$concurrency" | sort -n | tail -1)
 IFS=';' read -ra config_list <<<"$configs"
 IFS=';' read -ra point_list <<<"$points"
+# PIN=1 (the default where `taskset` exists): each server gets its own CPU cores and the bench client the rest, so a
+# pass never shares a core with another process of the sweep (a whole 3-s pass ran 25-40% slower than the same
+# point's other round on 2026-12-04, request by request, with the cores shared).
+cores=$(nproc)
+pin=${PIN:-1}
+command -v taskset >/dev/null || pin=0
+per_server=$(( cores / (${#config_list[@]} + 1) ))
+[ "$per_server" -lt 1 ] && pin=0
+pin_cmd() {  # pin_cmd INDEX: the `taskset` prefix of server INDEX's cores (INDEX = number of servers: the bench
+  # client's); empty with pinning off. Used unquoted, so that a backgrounded server's $! is its own process.
+  [ "$pin" = 1 ] || return 0
+  local first=$(( $1 * per_server )) last=$(( $1 == ${#config_list[@]} ? cores - 1 : ($1 + 1) * per_server - 1 ))
+  echo "taskset -c $first-$last"
+}
+echo "[sweep] $cores CPU cores, pinning $([ "$pin" = 1 ] && echo "on: $per_server per server" || echo off)"
 # Every server starts at once (their start-ups, graph capture and timing, overlap); once all are up, one bench
 # runs at a time while the others wait idle; all stop at the end.
 declare -A ports pids starts
+index=0
 for entry in "${config_list[@]}"; do
   name=${entry%%:*} flags=${entry#*:}
   ports[$name]=$(python -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   mkdir -p "$out/$name"
   # shellcheck disable=SC2086
-  python -m dscale_runtime.server.main $flags --device "$device" --port "${ports[$name]}" \
+  $(pin_cmd "$index") python -m dscale_runtime.server.main $flags --device "$device" --port "${ports[$name]}" \
     --max-running-requests "$running" --log-level info >"$out/$name/server.log" 2>&1 &
+  index=$((index + 1))
   pids[$name]=$! starts[$name]=$(date +%s.%N)
 done
 declare -A up
@@ -61,7 +78,8 @@ for ((r = 1; r <= rounds; r++)); do
       name=${names[$(((i + r - 1) % ${#names[@]}))]}
       port=${ports[$name]}
       # shellcheck disable=SC2086
-      python -m dscale_runtime.bench --url "http://127.0.0.1:$port" --concurrency "$concurrency" --num-requests 64 \
+      $(pin_cmd "${#config_list[@]}") python -m dscale_runtime.bench --url "http://127.0.0.1:$port" \
+        --concurrency "$concurrency" --num-requests 64 \
         --warmup 8 --repetitions 1 --min-duration-s "$min_s" --max-tokens 64 $pflags \
         --output "$out/$name/$dir" 2>&1 | grep -E "^\[dscale-bench\].*pass|Error|error" | sed "s/^/[$name $dir] /"
     done

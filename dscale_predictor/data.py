@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dscale_runtime.dvl.features import FeatureSpec
+from dscale_runtime.dvl.features import FeatureSpec, same_drafter_family
 
 
 class TraceError(ValueError):
@@ -100,6 +100,9 @@ def select_traces(traces: Traces, spec: FeatureSpec, temperatures: list[float] |
     if feature_version is None or feature_version == spec.version:
         return traces, spec
     want = FeatureSpec.from_dict({**spec.to_dict(), "version": feature_version})
+    if not same_drafter_family(want.version, spec.version):
+        raise TraceError(f"--feature_version {feature_version}: the traces' {spec.version} columns read another "
+                         "drafter's signals (DFlash 1 logits or DFlash 2 selector scores); pick a version of their family")
     if want.width > spec.width or want.names() != spec.names()[: want.width]:
         raise TraceError(f"--feature_version {feature_version}: its layout is not a prefix of the traces' "
                          f"{spec.version}; collect traces with it")

@@ -565,6 +565,27 @@ def test_drafter_with_triton_convolutions_matches_the_reference_path(pair2, inte
     assert torch.equal(tri_block, ref_block)
 
 
+def test_dflash2_kernels_build_for_sm90_without_spills():
+    """The convolution and slice-maxima kernels compiled for sm_90 without a GPU (Triton's bundled ptxas), at
+    Qwen3-8B's width and vocabulary slices and the demo's: what the interpreter tests cannot check (it runs code
+    the compiler refuses, e.g. a constexpr reassigned in a static_range)."""
+    from dscale_runtime.kernels.choice import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from offline import run_without_interpreter
+
+    lines = run_without_interpreter("""
+import torch
+from dscale_runtime.kernels import stack_usage
+from dscale_runtime.kernels.triton_conv import compile_offline
+for dtype, d, group, width in [(torch.bfloat16, 4096, 128, 128), (torch.float32, 384, 32, 128), (torch.bfloat16, 96, 8, 24)]:
+    for kernel in compile_offline(dtype, d, 4, group, width):
+        print(str(dtype).split(".")[1], d, stack_usage(kernel))
+""")
+    assert len(lines) == 6 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_compiled_block_convolution_equals_the_reference_at_qwen3_8b_width():

@@ -278,3 +278,26 @@ def test_position_weights_weigh_the_positions_bce():
     for bad in ([1.0] * 14, [-1.0] + [1.0] * 14, [0.0] * 15):
         with pytest.raises(ValueError, match="position_weights"):
             PredictorModule(spec, (8,), position_weights=bad)
+
+
+def test_feature_version_selects_a_prefix_of_the_same_drafter_family():
+    """`--feature-version`: v2 from v3 traces keeps the leading columns (of either family); a version of the other
+    drafter family (DFlash 1 logits vs DFlash 2 selector scores: same column names, other meaning) is refused, as
+    is one whose layout is not a prefix of the traces'."""
+    from dscale_predictor.data import TraceError, Traces, select_traces
+
+    for family in ("dscale-features", "dscale-features-dflash2"):
+        spec = FeatureSpec(version=f"{family}-v3")
+        n = 4
+        traces = Traces(np.arange(n * spec.width, dtype=np.float32).reshape(n, -1), np.zeros(n, dtype=np.int64),
+                        np.array(["p"] * n, dtype=object), np.array(["d"] * n, dtype=object),
+                        np.array(["b"] * n, dtype=object), np.full(n, 8), {})
+        assert select_traces(traces, spec, None, None) == (traces, spec)
+        got, want = select_traces(traces, spec, None, f"{family}-v2")
+        assert want.version == f"{family}-v2" and want.num_agreement == 0
+        assert np.array_equal(got.features, traces.features[:, : want.width])
+        other = "dscale-features-v2" if "dflash2" in family else "dscale-features-dflash2-v2"
+        with pytest.raises(TraceError, match="another drafter's signals"):
+            select_traces(traces, spec, None, other)
+        with pytest.raises(TraceError, match="not a prefix"):
+            select_traces(traces, FeatureSpec(version=f"{family}-v2"), None, f"{family}-v3")

@@ -37,12 +37,15 @@ FEATURE_VERSION = "dscale-features-v3"
 # NOTE: DFlash 2 drafters: the same layout, but the confidence columns read the candidate selector's scores along
 # the walked path ([N, W-1, K]: top score, its gaps, log q(best) at T = 1, the entropy over the candidates), not
 # the drafter's logits over the vocabulary. Another meaning, so another family of versions: a predictor reads one.
-FEATURE_VERSION_DFLASH2 = "dscale-features-dflash2-v2"
+# Within the family the columns follow DFlash 1's versions: dflash2-v2 adds the sampling columns, dflash2-v3 the
+# agreement columns (which read the drafted tokens only, so they mean the same over either drafter).
+FEATURE_VERSION_DFLASH2 = "dscale-features-dflash2-v3"
 """The version the collector writes by default over a DFlash 2 drafter."""
 # NOTE: version -> sampling columns; v1 rows end with the batch context (artifacts trained on them still load).
 FEATURE_VERSIONS = {"dscale-features-v1": 0, "dscale-features-v2": 2, "dscale-features-v3": 2,
-                    "dscale-features-dflash2-v1": 0, "dscale-features-dflash2-v2": 2}
-AGREEMENT_VERSIONS = ("dscale-features-v3",)  # versions whose rows end with `agreement_features`' columns
+                    "dscale-features-dflash2-v1": 0, "dscale-features-dflash2-v2": 2, "dscale-features-dflash2-v3": 2}
+# versions whose rows end with `agreement_features`' columns
+AGREEMENT_VERSIONS = ("dscale-features-v3", "dscale-features-dflash2-v3")
 SAMPLING_NAMES = ("temperature", "sampled_drafts")
 
 

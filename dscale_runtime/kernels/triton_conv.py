@@ -109,3 +109,26 @@ def slice_max_triton(logits: torch.Tensor, chunks: int) -> torch.Tensor:
     _slice_max_kernel[grid](logits, out, logits.stride(0), chunks, width, SLICES=SLICES_PER_PROGRAM,
                             WIDTH=triton.next_power_of_2(width), num_warps=4)
     return out
+
+
+def compile_offline(dtype: torch.dtype, d: int = 4096, taps: int = 4, group: int = 128, slice_width: int = 128,
+                    arch: int = 90) -> list:
+    """Both kernels compiled for an NVIDIA target without a GPU (Triton's bundled ptxas), with the wrappers' launch
+    options: a CI check of the compiled path, which Triton's interpreter does not make (it runs code the compiler
+    refuses). Needs triton imported without TRITON_INTERPRET."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    assert not interpreted(), "compile_offline needs triton imported without TRITON_INTERPRET"
+    elem = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    target = GPUTarget("cuda", arch, 32)
+    conv = {"TAPS": taps, "GROUP": group, "BLOCK": min(BLOCK_COLUMNS, triton.next_power_of_2(d)), "DTYPE": _TL[dtype]}
+    conv_sig = {n: "constexpr" if n in conv else elem if n.endswith("_ptr") else "i32"
+                for n in _block_conv_kernel.arg_names}
+    maxima = {"SLICES": SLICES_PER_PROGRAM, "WIDTH": triton.next_power_of_2(slice_width)}
+    maxima_sig = {n: "constexpr" if n in maxima else elem if n.endswith("_ptr") else "i32"
+                  for n in _slice_max_kernel.arg_names}
+    return [triton.compile(ASTSource(_block_conv_kernel, conv_sig, constexprs=conv), target=target,
+                           options={"num_warps": 4, **_LAUNCH}),
+            triton.compile(ASTSource(_slice_max_kernel, maxima_sig, constexprs=maxima), target=target,
+                           options={"num_warps": 4})]

@@ -17,7 +17,8 @@ purpose DRAFT), temperature only, as z-lab's reference. Every transition's score
 requests at once (`follow_choices`: a doubling scan, capturable), never a host loop per request (`walk_ref`: slot
 by slot). Its scores are what DScale's
 confidence features read here (`acceptance_features` over [N, W - 1, K]: top score, its gaps, log q(best) at
-T = 1, entropy: feature versions `dscale-features-dflash2-v1` and `-v2`, the latter with the sampling columns), and its q is the sparse draft policy of the
+T = 1, entropy: feature versions `dscale-features-dflash2-v1`, `-v2` with the sampling columns and `-v3` with the
+drafts' agreement columns as well), and its q is the sparse draft policy of the
 sampled-drafts verification (`CandidatePolicy`). The convolutions run in one Triton launch each when the
 KernelChoice's `fused` is 'triton' (`kernels/triton_conv.py`; `block_convolve_ref` is the definition).
 """
