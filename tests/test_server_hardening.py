@@ -519,25 +519,39 @@ def test_an_unhandled_error_is_a_500_with_the_request_id_only(server, tiny_refer
 
 
 def test_a_silent_connection_is_closed_after_the_header_timeout(tiny_pair):
+    """--header-timeout bounds a request's line and headers: from the connection (nothing sent, or half a request)
+    and, on a keep-alive connection, from the first bytes of the next request (half of it sent after an answer,
+    which cancels uvicorn's keep-alive timer); an idle keep-alive connection is closed by --timeout-keep-alive."""
     import socket
 
+    def answered(sock) -> None:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while b'{"status":"ok"}' not in answer:
+            answer += sock.recv(4096)
+
     engine = Engine.from_pretrained(tiny_pair[0], config=EngineConfig(mode="target", max_model_len=TINY_LEN))
-    with BackgroundServer(engine, ServeConfig(port=0, header_timeout=0.5, timeout_keep_alive=1)) as s:
+    with BackgroundServer(engine, ServeConfig(port=0, header_timeout=0.5, timeout_keep_alive=2)) as s:
         host, port = s.url.removeprefix("http://").split(":")
+        # NOTE: each interval starts before the server's timer can (before connecting, before the bytes it counts
+        # from), so a client slowed by a loaded machine can only read a longer one
         for sent in (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n"):  # nothing, then half a request
-            with socket.create_connection((host, int(port)), timeout=5) as sock:
-                sock.sendall(sent)
-                start = time.perf_counter()
-                assert sock.recv(1024) == b"", "the server closes the connection without answering"
-                assert 0.3 < time.perf_counter() - start < 3.0
-        with socket.create_connection((host, int(port)), timeout=5) as sock:  # keep-alive, idle after an answer
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            answer = b""
-            while b'{"status":"ok"}' not in answer:
-                answer += sock.recv(4096)
             start = time.perf_counter()
+            with socket.create_connection((host, int(port)), timeout=8) as sock:
+                sock.sendall(sent)
+                assert sock.recv(1024) == b"", "the server closes the connection without answering"
+                assert 0.45 < time.perf_counter() - start < 1.9  # --header-timeout 0.5, before the keep-alive's 2
+        with socket.create_connection((host, int(port)), timeout=8) as sock:  # half of a second request
+            answered(sock)
+            start = time.perf_counter()
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
             assert sock.recv(1024) == b""
-            assert 0.5 < time.perf_counter() - start < 3.0  # --timeout-keep-alive 1
+            assert 0.45 < time.perf_counter() - start < 1.9
+        with socket.create_connection((host, int(port)), timeout=8) as sock:  # keep-alive, idle after an answer
+            start = time.perf_counter()
+            answered(sock)
+            assert sock.recv(1024) == b""
+            assert 1.9 < time.perf_counter() - start < 6.0  # --timeout-keep-alive 2, not the header timeout
 
 
 # ---------------------------------------------------------------------------------------------- metrics

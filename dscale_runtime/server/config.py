@@ -102,7 +102,8 @@ class ServeConfig:
     timeout_keep_alive: int = 5
     """Seconds an idle keep-alive connection stays open (uvicorn's --timeout-keep-alive)."""
     header_timeout: float = 10.0
-    """Seconds a connection may take to send a request's line and headers before it is closed."""
+    """Seconds a request's line and headers may take, from the connection or, on a keep-alive connection, from the
+    request's first bytes, before the connection is closed (an idle keep-alive connection: `timeout_keep_alive`)."""
     engine_process: bool = False
     """Run the engine in a process of its own, joined to this HTTP process by a pipe (vLLM's API-server /
     engine-core split), so HTTP, tokenising and SSE never take the GIL from the decode loop; false: the engine

@@ -79,8 +79,11 @@ def uvicorn_config(app, config: ServeConfig, log_level: str):
 def header_deadline_protocol(seconds: float):
     """uvicorn's h11 protocol, closing a connection whose request line and headers take over `seconds`.
 
-    uvicorn arms a timer only once a response is complete (keep-alive), so a client that connects and sends
-    nothing, or half a request, would hold its connection (and a file descriptor) forever."""
+    uvicorn arms a timer only once a response is complete (keep-alive), and cancels it as soon as any byte of
+    the next request arrives, so a client that connects and sends nothing, or half a request (the first or a
+    later one), would hold its connection (and a file descriptor) forever. The deadline runs from the
+    connection and from the first bytes of each later request; an idle keep-alive connection stays uvicorn's
+    (`timeout_keep_alive`)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderDeadlineProtocol(H11Protocol):
@@ -88,17 +91,17 @@ def header_deadline_protocol(seconds: float):
             super().connection_made(transport)
             self._arm_header_deadline()
 
-        def on_response_complete(self) -> None:
-            self._arm_header_deadline()  # the next request on this connection has its own deadline
-            super().on_response_complete()
+        def data_received(self, data: bytes) -> None:
+            if self.timeout_keep_alive_task is not None:  # NOTE: idle after a response: a new request starts here
+                self._arm_header_deadline()
+            super().data_received(data)
 
         def _arm_header_deadline(self) -> None:
             waiting_for = self.cycle
             self.loop.call_later(seconds, self._header_deadline, waiting_for)
 
         def _header_deadline(self, waiting_for) -> None:
-            # NOTE: a new request cycle means the headers arrived in time; an idle keep-alive connection is
-            # uvicorn's (timeout_keep_alive) unless it started a request and stalled.
+            # NOTE: a new request cycle means the headers arrived in time
             if self.cycle is waiting_for and not self.transport.is_closing():
                 self.transport.close()
 
