@@ -51,7 +51,7 @@ def _block_conv_kernel(x_ptr, dyn_ptr, base_ptr, out_ptr, d, width, dyn_row, dyn
 
 @triton.jit
 def _slice_max_kernel(x_ptr, out_ptr, row_stride, chunks, width, SLICES: tl.constexpr, WIDTH: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # NOTE: rows x vocabulary may pass 2^31 elements
     at = tl.program_id(1) * SLICES + tl.arange(0, SLICES)
     cols = tl.arange(0, WIDTH)
     ok = at < chunks
