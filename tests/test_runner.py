@@ -166,7 +166,8 @@ def test_bucketed_dscale_step_through_the_interpreted_kernels(pair, predictor, m
 
 
 # ------------------------------------------------------------------------------------------------- GPU
-def demo_engine(mode: str, graphs: bool, **config) -> Engine:
+def demo_engine(mode: str, graphs: bool, drafter: str = "drafter", **config) -> Engine:
+    """The demo pair on CUDA in fp32 (`drafter`: 'drafter2' runs the DFlash 2 drafter, DScale with its predictor)."""
     from dscale_runtime.demo.prompts import DEMO_DIR
 
     config.setdefault("dscale_policy", "always")  # DScale's own steps (the measured policy may pick DFlash's)
@@ -178,8 +179,9 @@ def demo_engine(mode: str, graphs: bool, **config) -> Engine:
     # engine's start-up (prefill capture and timing) out of these decode-step tests' time in the one-process GPU suite.
     config.setdefault("prefill_graphs", False)
     cfg = EngineConfig(mode=mode, device="cuda", dtype="float32", max_model_len=1024, step_graphs=graphs, **config)
-    return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if mode != "target" else None,
-                                  DEMO_DIR.parent / "demo.pt" if mode == "dscale" else None, config=cfg)
+    predictor = DEMO_DIR.parent / ("demo_dflash2.pt" if drafter == "drafter2" else "demo.pt")
+    return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / drafter if mode != "target" else None,
+                                  predictor if mode == "dscale" else None, config=cfg)
 
 
 @functools.cache
@@ -219,6 +221,27 @@ def test_captured_steps_equal_eager_steps_on_the_demo_pair(mode):
     assert tokens[True, True] == tokens[False, True]
     assert tokens[True, False] == tokens[False, False]
     assert tokens[True, True][::3] == tokens[True, False][::3]  # the greedy requests
+
+
+@pytest.mark.parametrize("mode", ["dflash", "dscale"])
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_steps_over_the_demo_dflash2_drafter(mode):
+    """The shipped DFlash 2 drafter (and DScale with its v3 predictor, whose agreement columns read the token ring
+    inside the captured step): greedy output equals captured target-only's; greedy and seeded T = 1 requests decode
+    the same tokens with graphs on and off."""
+    prompts, greedy, want = greedy_oracle()
+    params = [greedy if i % 2 == 0 else SamplingParams(temperature=1.0, max_tokens=greedy.max_tokens,
+                                                       ignore_eos=True, seed=i) for i in range(len(prompts))]
+    tokens = {}
+    for graphs in (False, True):
+        engine = demo_engine(mode, graphs, drafter="drafter2")
+        tokens[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+        assert tokens[graphs][::2] == want[::2], graphs
+        if graphs:
+            assert engine.runner.steps and all(s.call.graph is not None for s in engine.runner.steps.values())
+            assert engine.counters.accepted_drafts > engine.counters.request_steps
+    assert tokens[True] == tokens[False]
 
 
 @pytest.mark.gpu
