@@ -79,15 +79,22 @@ def test_dscale_with_the_demo_predictor_is_lossless():
     assert c.retained_drafts / c.full_width_drafts > 0.9
 
 
-def test_the_dflash2_drafter_and_dscale_over_it_are_lossless():
-    """The shipped DFlash 2 drafter (drafter2/) and DScale over it with its predictor (artifacts/demo_dflash2.pt):
-    greedy output equals target-only's; DScale verifies about half the rows of full width; the DFlash 2 drafter
-    accepts more drafts per step than the DFlash 1 drafter on the same prompts."""
-    prompts = [p["prompt"] for p in stdlib_prompts()[40:48]]
+def greedy_target_only(first: int, last: int) -> tuple[list[str], SamplingParams, dict, list[list[int]]]:
+    """Held-out prompts [first:last], 48 greedy tokens, fp32 engine settings, and target-only's tokens: the oracle
+    of the lossless tests below."""
+    prompts = [p["prompt"] for p in stdlib_prompts()[first:last]]
     params = SamplingParams(temperature=0, max_tokens=48)
     base = dict(max_running_requests=8, max_model_len=1024, dtype="float32")
     want = [o.token_ids for o in Engine.from_pretrained(
         DEMO_DIR / "target", config=EngineConfig(mode="target", **base)).generate(prompts, params)]
+    return prompts, params, base, want
+
+
+def test_the_dflash2_drafter_and_dscale_over_it_are_lossless():
+    """The shipped DFlash 2 drafter (drafter2/) and DScale over it with its predictor (artifacts/demo_dflash2.pt):
+    greedy output equals target-only's; DScale verifies about half the rows of full width; the DFlash 2 drafter
+    accepts more drafts per step than the DFlash 1 drafter on the same prompts."""
+    prompts, params, base, want = greedy_target_only(40, 48)
     accepted = {}
     for drafter, mode, predictor in [("drafter", "dflash", None), ("drafter2", "dflash", None),
                                      ("drafter2", "dscale", DEMO_DIR.parent / "demo_dflash2.pt")]:
@@ -103,11 +110,7 @@ def test_the_dflash2_drafter_and_dscale_over_it_are_lossless():
 
 def test_bf16_drafter_beside_fp32_target_is_lossless():
     """draft_dtype changes what is drafted, never what is emitted; the drafter stays nearly as good."""
-    prompts = [p["prompt"] for p in stdlib_prompts()[32:40]]
-    params = SamplingParams(temperature=0, max_tokens=48)
-    base = dict(max_running_requests=8, max_model_len=1024, dtype="float32")
-    want = [o.token_ids for o in Engine.from_pretrained(
-        DEMO_DIR / "target", config=EngineConfig(mode="target", **base)).generate(prompts, params)]
+    prompts, params, base, want = greedy_target_only(32, 40)
     accepted = {}
     for draft_dtype, mode, graphs in [(None, "dflash", False), ("bfloat16", "dflash", False),
                                       ("bfloat16", "dscale", False), ("bfloat16", "dscale", True)]:
