@@ -7,10 +7,12 @@ vocabulary, `--selector-top-k`), random weights too. Per N (`--ns`, default 8 16
 captured on CUDA (eager elsewhere):
 - check: for DFlash 2 greedy and sampled (T = 1, sampled drafts), the captured step's results (accepted counts,
   successors, verify lengths, block tokens) equal the eager step's over the same inputs; a mismatch is an error;
-- timing: DFlash 1 and DFlash 2 steps, DScale over each (budget `--ratio`), greedy and all rows sampled; the
+- timing: DFlash 1 and DFlash 2 steps, DScale over each (budget `--ratio`), greedy and all rows sampled, in
+  `--rounds` interleaved rounds (medians, and the per-round ratios' range); the
   ratios `dflash2 / dflash1` (acceptance 5: <= 1.05 at N = 8, 16, 32) and `dscale/dflash` of each drafter;
   `--candidate-chunks C` adds DFlash 2 with its candidates' top-k over C vocabulary slices (`dflash2-cC`; 1: one
-  torch.topk, the top-k before the sliced one became the default);
+  torch.topk, the top-k before the sliced one became the default); `--conv-kernel tile` adds DFlash 2 with the
+  per-block-tile convolution kernel (`dflash2-tile`) and times both convolution kernels alone;
 - `--profile`: both drafters' captured greedy DFlash steps by kernel (`gpu_step.kernel_table`), and the kernels
   whose time differs most between them.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,14 +64,45 @@ def build_dflash2(bench: Bench, args, seed: int = 7) -> DFlash2DraftModel:
 
 
 CHUNKS: dict[str, int] = {}  # DFlash 2 drafter name -> its candidates' top-k slices (`candidate_chunks`)
+CONV: dict[str, str] = {}  # DFlash 2 drafter name -> its convolution kernel (`triton_conv.CONV_KERNEL`)
 
 
 def use_drafter(bench: Bench, drafter, name: str) -> None:
-    """The bench's drafter for the next runner: `name`'s module with `name`'s top-k slices (read when its steps
-    are built: a captured step keeps them)."""
+    """The bench's drafter for the next runner: `name`'s module with `name`'s top-k slices and convolution kernel
+    (read when its steps are built: a captured step keeps them)."""
     if name in CHUNKS:
         drafter.candidate_chunks = CHUNKS[name]
+    if name in CONV:
+        from dscale_runtime.kernels import triton_conv
+
+        triton_conv.CONV_KERNEL = CONV[name]
     bench.drafter = drafter
+
+
+def conv_section(bench: Bench, args, result: dict) -> None:
+    """The convolution alone at the drafter's width, per N: both Triton kernels ('row', 'tile') on [N * W, d]
+    block rows, their outputs compared bit for bit, each timed over 20 calls (a step's convolutions)."""
+    from dscale_runtime.kernels.triton_conv import block_convolve_triton
+
+    d, taps, group = bench.shape.hidden, args.conv_kernel_size, args.conv_group_size
+    gen = torch.Generator(device=bench.device).manual_seed(3)
+    section = result.setdefault("conv", {})
+    for n in args.ns:
+        x = torch.randn(n * BLOCK, d, device=bench.device, generator=gen).to(bench.dtype)
+        dynamic = torch.randn(n, BLOCK, 2, taps, d // group, device=bench.device, generator=gen).to(bench.dtype)
+        dynamic = dynamic[:, :, 0]
+        base = torch.randn(taps, d, device=bench.device, generator=gen).to(bench.dtype)
+        outs, ms = {}, {}
+        for kernel in ("row", "tile"):
+            outs[kernel] = block_convolve_triton(x, dynamic, base, group, kernel=kernel)
+            ms[kernel] = time_call(lambda: [block_convolve_triton(x, dynamic, base, group, kernel=kernel)
+                                            for _ in range(20)], bench.device, args.reps, args.warmup)["ms"]
+        equal = bool(torch.equal(outs["row"], outs["tile"]))
+        if not equal:
+            result["errors"].append(f"conv N={n}: the tile kernel differs from the row kernel")
+        section[str(n)] = {"ms_per_20": ms, "tile_over_row": round(ms["tile"] / ms["row"], 4), "equal": equal}
+        print(f"  N={n:3d} 20 convolutions: row {ms['row']:.4f} ms, tile {ms['tile']:.4f} ms "
+              f"({ms['tile'] / ms['row']:.3f}x), equal {equal}", flush=True)
 
 
 def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs: bool, ratio: float,
@@ -96,28 +130,48 @@ def check_section(bench: Bench, drafter, n: int, ratio: float, result: dict, nam
 
 
 def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> None:
+    """Every step of this N (both drafters, DFlash and DScale, greedy and sampled) built first, then timed in
+    `--rounds` interleaved rounds (each round starts one step later), `--reps` calls each: drift of the machine
+    falls on every step alike. Times: the median over the rounds; ratios: the median of the per-round ratios,
+    with their range (`spread`)."""
     graphs = bench.device.type == "cuda"
-    times = {}
+    steps = {}
     for name, drafter in drafters.items():
         for mode in ("dflash", "dscale"):
             for sampling in ("greedy", "sampled"):
                 _, runner, batch, kind = step_result(bench, drafter, mode, n, sampling, graphs, args.ratio, name)
-                timing = time_call(lambda: batch.run(runner, kind), bench.device, args.reps, args.warmup)
-                times[f"{name} {mode} {sampling}"] = timing["ms"]
-                print(f"  N={n:3d} {name} {mode:6s} {sampling:8s} {timing['ms']:9.3f} ms", flush=True)
-                del runner
-                release(bench.device)
-    ratios = {}
+                steps[f"{name} {mode} {sampling}"] = (runner, batch, kind)
+    keys, rounds = list(steps), []
+    for r in range(args.rounds):
+        times = {}
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            runner, batch, kind = steps[key]
+            times[key] = time_call(lambda: batch.run(runner, kind), bench.device, args.reps, args.warmup)["ms"]
+        rounds.append(times)
+    pairs = {}
     for sampling in ("greedy", "sampled"):
         for name in drafters:
             if name != "dflash1":
-                ratios[f"{name}/dflash1 {sampling}"] = (times[f"{name} dflash {sampling}"]
-                                                         / times[f"dflash1 dflash {sampling}"])
+                pairs[f"{name}/dflash1 {sampling}"] = (f"{name} dflash {sampling}", f"dflash1 dflash {sampling}")
         for name in drafters:
-            ratios[f"{name} dscale/dflash {sampling}"] = (times[f"{name} dscale {sampling}"]
-                                                          / times[f"{name} dflash {sampling}"])
-    result["steps"][str(n)] = {"ms": times, "ratios": {k: round(v, 4) for k, v in ratios.items()},
+            pairs[f"{name} dscale/dflash {sampling}"] = (f"{name} dscale {sampling}", f"{name} dflash {sampling}")
+    median = lambda xs: float(statistics.median(xs))  # noqa: E731
+    ms = {key: round(median([t[key] for t in rounds]), 4) for key in keys}
+    ratios, spread = {}, {}
+    for label, (a, b) in pairs.items():
+        per_round = [t[a] / t[b] for t in rounds]
+        ratios[label], spread[label] = round(median(per_round), 4), [round(min(per_round), 4),
+                                                                      round(max(per_round), 4)]
+    for key in keys:
+        print(f"  N={n:3d} {key:28s} {ms[key]:9.3f} ms  (rounds {min(t[key] for t in rounds):.3f}-"
+              f"{max(t[key] for t in rounds):.3f})", flush=True)
+    for label in pairs:
+        print(f"  N={n:3d} {label:32s} {ratios[label]:.4f}  [{spread[label][0]:.4f}-{spread[label][1]:.4f}]",
+              flush=True)
+    result["steps"][str(n)] = {"ms": ms, "ratios": ratios, "spread": spread, "rounds": rounds,
                                "acceptance5_dflash2_within_1.05": ratios["dflash2/dflash1 greedy"] <= 1.05}
+    del steps
+    release(bench.device)
 
 
 def kernel_diff(a: dict, b: dict, top: int = 25) -> list[dict]:
@@ -170,16 +224,21 @@ def parse_args(argv):
     parser.add_argument("--selector-top-k", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved timing rounds per N (`--reps` calls per step each round)")
     parser.add_argument("--candidate-chunks", type=int, default=0,
                         help=">= 1: also time DFlash 2 with its candidates' top-k over this many vocabulary slices "
                              "(`dflash2-cC`; 1 = one torch.topk; the default is candidate_chunks(V, k): 1,187 at "
                              "Qwen3's vocabulary)")
+    parser.add_argument("--conv-kernel", choices=("row", "tile"), default="row",
+                        help="tile: also time DFlash 2 with the per-block-tile convolution kernel (`dflash2-tile`) "
+                             "and both kernels alone (CUDA)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile both drafters' greedy DFlash and DScale steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tiny:
-        args.shape, args.ns, args.context, args.reps, args.warmup = "tiny", [1, 3], 40, 2, 1
+        args.shape, args.ns, args.context, args.reps, args.warmup, args.rounds = "tiny", [1, 3], 40, 2, 1, 2
         args.conv_group_size, args.selector_rank, args.selector_top_k = 16, 8, 4
     return args
 
@@ -193,6 +252,11 @@ def main(argv=None) -> dict:
         bench = Bench(SHAPES[args.shape], args.device, dtype, max(args.ns), args.context)
         drafters = {"dflash1": bench.drafter, "dflash2": build_dflash2(bench, args)}
         CHUNKS["dflash2"] = drafters["dflash2"].candidate_chunks  # NOTE: the drafter's default (`candidate_chunks`)
+        if args.conv_kernel == "tile":  # NOTE: the same module, the other convolution kernel
+            drafters["dflash2-tile"] = drafters["dflash2"]
+            CONV["dflash2"], CONV["dflash2-tile"] = "row", "tile"
+            if bench.device.type == "cuda":
+                conv_section(bench, args, result)
         if args.candidate_chunks > 0:  # NOTE: the same module, another top-k setting
             drafters[f"dflash2-c{args.candidate_chunks}"] = drafters["dflash2"]
             CHUNKS[f"dflash2-c{args.candidate_chunks}"] = args.candidate_chunks

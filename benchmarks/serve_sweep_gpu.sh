@@ -3,7 +3,9 @@
 # configuration below, each swept by dscale-bench --url over concurrency 1, 8, 32 at three sampling points
 # (greedy; T = 1; T = 0.7 / top_p 0.8), one pass of >= MIN_S seconds per point after 8 warm-up requests.
 # Server flags in CONFIGS reach dscale-serve as written (e.g. --switch-interval-ms 5 for CPython's default).
-# Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S, ROUNDS, PIN)
+# Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S, ROUNDS, PIN,
+# PAIRED: 1 = the servers compared pass by pass, benchmarks/serve_paired.py, OUT_DIR/paired.json; NUM_REQUESTS:
+# its requests per pass at least, default 64)
 # Writes OUT_DIR/<config>/<point>/bench.{json,csv} (<point>.r<round> with ROUNDS > 1) and server logs; then prints
 # one table of every point, the median over the rounds with their spread (benchmarks/serve_sweep_summary.py, also
 # written to OUT_DIR/summary.json).
@@ -69,6 +71,16 @@ for entry in "${config_list[@]}"; do
   name=${entry%%:*}
   [ -n "${up[$name]:-}" ] && names+=("$name")
 done
+if [ "${PAIRED:-0}" = 1 ]; then
+  # PAIRED=1: benchmarks/serve_paired.py instead of one dscale-bench per server: every server runs one pass of
+  # >= MIN_S seconds in turn at each point and concurrency, ROUNDS rounds, and the ratios are taken per round
+  urls=$(for name in "${names[@]}"; do printf '%s=http://127.0.0.1:%s,' "$name" "${ports[$name]}"; done)
+  # shellcheck disable=SC2046
+  $(pin_cmd "${#config_list[@]}") python benchmarks/serve_paired.py --servers "${urls%,}" --points "$points" \
+    --concurrency "$concurrency" --rounds "$rounds" --pass-s "$min_s" --num-requests "${NUM_REQUESTS:-64}" \
+    --out "$out/paired.json"
+  rounds=0
+fi
 for ((r = 1; r <= rounds; r++)); do
   for p in "${point_list[@]}"; do
     pname=${p%%:*} pflags=${p#*:}
@@ -90,4 +102,4 @@ for name in "${names[@]}"; do
   python -c "import httpx; print(httpx.get('http://127.0.0.1:$port/metrics', timeout=30).text)" >"$out/$name/metrics.txt"
   kill "$pid"; wait "$pid" 2>/dev/null
 done
-python benchmarks/serve_sweep_summary.py "$out"
+[ "${PAIRED:-0}" = 1 ] || python benchmarks/serve_sweep_summary.py "$out"

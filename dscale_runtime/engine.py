@@ -166,7 +166,7 @@ class Engine:
             target_fallback=config.target_fallback and not config.measure_retention,
             live_policy=config.dscale_policy == "live" and not config.measure_retention,
             calibration=config.mode == "dscale" and config.live_calibration,
-            token_ring=config.mode == "dscale" or trace_features)
+            token_ring=config.mode == "dscale" or trace_features, traced=trace_features)
         self.calibration = LiveCalibration(self.block_size - 1, self.runner.calibration_knots is not None,
                                            config.calibration_window) if config.mode == "dscale" else None
         """DScale: the watch of the predictor's calibration over committed DScale steps, and its live map."""

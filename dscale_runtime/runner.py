@@ -397,13 +397,23 @@ class BucketStep:
     def acceptance_features(self, block: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
                             backend: str | None = None) -> torch.Tensor:
         """The feature rows [B, spec.width] of the drafted block (`dvl.features`; the v3 agreement columns read the
-        token ring); `backend`: the confidence columns' path (default: the runner's)."""
+        token ring); `backend`: the confidence and agreement columns' path (default: the runner's, each its own)."""
         r, buf = self.runner, self.buf
         spec = r.feature_spec
         if spec.num_agreement and r.state.tokens is None:
             raise RuntimeError(f"{spec.version} features read the request's recent tokens, which this runner does not "
                                "keep: build the engine with trace_features=True (or the runner with token_ring=True)")
-        agreement = agreement_features(spec, *self.token_window(), block) if spec.num_agreement else None
+        agreement = None
+        if spec.num_agreement:
+            ring = r.state.tokens
+            if (backend or r.agreement_backend) == "triton":
+                from dscale_runtime.kernels.triton_agreement import agreement_columns_triton
+
+                # NOTE: one launch from the ring (the reference's ~50; exactly its columns): block[:, 0] = the anchor
+                agreement = agreement_columns_triton(ring, buf.slot, buf.ctx, block, spec.agreement_ngram,
+                                                     spec.agreement_lookup)
+            else:
+                agreement = agreement_features(spec, *self.token_window(), block)
         return acceptance_features(spec, logits, hidden, r.projection, buf.context, backend or r.features_backend,
                                    buf.sampling_columns(spec), agreement)
 
@@ -527,7 +537,7 @@ class StepRunner:
                  feature_spec, predictor=None, projection=None, buckets: list[int] | None = None,
                  use_graphs: bool = False, device: torch.device | str = "cpu", measured_policy: bool = False,
                  policy_context: int = 1024, target_fallback: bool = False, live_policy: bool = False,
-                 calibration: bool = False, token_ring: bool = True) -> None:
+                 calibration: bool = False, token_ring: bool = True, traced: bool = False) -> None:
         assert mode in MODES
         self.target, self.drafter = target, drafter
         self.target_caches, self.drafter_caches = target_caches, drafter_caches
@@ -535,10 +545,11 @@ class StepRunner:
         self.budget_ratio, self.full_width_max_batch = budget_ratio, full_width_max_batch
         self.feature_spec, self.predictor, self.projection = feature_spec, predictor, projection
         self.capture_layers = tuple(drafter.config.target_layer_ids) if drafter is not None and mode != "target" else ()
-        # NOTE: the confidence-feature path was chosen once with the drafter's kernels (its logits' device/dtype)
+        # NOTE: the confidence-feature path was chosen once with the drafter's kernels (its logits' device/dtype);
+        # DFlash 2's features read K selector scores per slot instead of V logits: the same two launches (one
+        # chunk per row) where the reference takes about a dozen small ones
         self.features_backend = drafter.kernels.features if drafter is not None else "ref"
-        if drafter is not None and drafter.config.dflash2 is not None:
-            self.features_backend = "ref"  # NOTE: DFlash 2's features read K selector scores per slot, not V logits
+        self.agreement_backend = self.features_backend  # the v3 agreement columns' path ('triton': one launch)
         self.sampling_backend = target.kernels.fused  # the sampler's kernels: chunk sums, draws, inverse CDF
         self.device = torch.device(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)
@@ -555,6 +566,7 @@ class StepRunner:
         # (`token_ring`: the engine's DScale steps, or traced DFlash steps)
         self.token_ring = feature_spec.agreement_window if (feature_spec.num_agreement and mode != "target"
                                                             and token_ring) else 0
+        self.traced = traced  # NOTE: DFlash steps whose features are read (the collector's): they keep the ring
         self.state = DeviceState(max_batch, feature_spec.num_context, self.device, with_history=mode == "dscale",
                                  token_window=self.token_ring)
         # Launched steps of each device-state row whose results the host has not read yet (`PendingStep.result`):
@@ -690,9 +702,14 @@ class StepRunner:
         for size in self.buckets:
             self.bucket_modes.setdefault(size, "dflash")
         if "dscale" not in self.bucket_modes.values():
-            # No bucket decides: the engine is a DFlash engine. Its steps need no context-feature history, so
-            # the measured graphs are dropped and recaptured without it (`prepare` captures what is served).
+            # No bucket decides: the engine is a DFlash engine. Its steps need no context-feature history and
+            # (untraced) no token ring, so the measured graphs are dropped and recaptured without them (`prepare`
+            # captures what is served; the engine builds its prefill after this, without the ring's tails). The
+            # ring cost each step and prefill a few launches: the served default trailed the DFlash server by
+            # 2-4% at every point of a paired sweep (docs/benchmarks.md, 2026-12-04).
             self.state.history = None
+            if not self.traced:
+                self.state.tokens, self.token_ring = None, 0
             self.steps.clear()
             self.pool = torch.cuda.graph_pool_handle()  # NOTE: the old pool goes with its last graph
 

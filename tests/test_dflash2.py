@@ -512,29 +512,33 @@ def test_tensor_parallel_shards_keep_the_dflash2_parts_whole(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- Triton kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("taps,group", [(3, 8), (4, 16), (1, 32)])
-def test_triton_block_convolution_equals_the_reference(interpreter, dtype, taps, group):
-    """The one-launch convolution (Triton's interpreter on CPU) against `block_convolve_ref` on packed blocks,
-    the dynamic taps a strided view of a projection's output as the layers pass them: fp32 to rounding, bf16
-    within one ulp of the output (the few-term fp32 sum may be added in another order)."""
+@pytest.mark.parametrize("taps,group,d,w", [(3, 8, 96, 8), (4, 16, 96, 8), (1, 32, 96, 8), (4, 128, 384, 6)])
+def test_triton_block_convolution_equals_the_reference(interpreter, dtype, taps, group, d, w):
+    """Both one-launch convolutions (per row, per block tile; Triton's interpreter on CPU) against
+    `block_convolve_ref` on packed blocks, the dynamic taps a strided view of a projection's output as the layers
+    pass them: fp32 to rounding, bf16 within one ulp of the output (the few-term fp32 sum may be added in another
+    order), and the two kernels bit for bit alike. Shapes: groups narrower than a tile (the gathered taps), groups
+    of a whole tile (one tap per row), a partial channel tile (d = 96) and a block narrower than a power of two."""
     from dscale_runtime.kernels.triton_conv import block_convolve_triton
     from dscale_runtime.models.dflash2 import block_convolve_ref
 
     gen = torch.Generator().manual_seed(taps * group)
-    n, w, d = 3, 8, 96
+    n = 3
     x = torch.randn(n * w, d, generator=gen).to(dtype)
     dynamic = torch.randn(n, w, 2, taps, d // group, generator=gen).to(dtype)[:, :, 1]  # [N, W, taps, G] strided
     base = torch.randn(taps, d, generator=gen).to(dtype)
-    got = block_convolve_triton(x, dynamic, base, group)
+    got = block_convolve_triton(x, dynamic, base, group, kernel="row")
     want = block_convolve_ref(x.view(n, w, d), dynamic, base, group).view(n * w, d)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     else:
         torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    assert torch.equal(block_convolve_triton(x, dynamic, base, group, kernel="tile"), got)
     # a block's first slots read zeros before it: changing another block's rows changes nothing here
     other = x.clone()
     other[w:] += 1.0
-    assert torch.equal(block_convolve_triton(other, dynamic, base, group)[:w], got[:w])
+    for kernel in ("row", "tile"):
+        assert torch.equal(block_convolve_triton(other, dynamic, base, group, kernel=kernel)[:w], got[:w])
 
 
 @torch.no_grad()
@@ -583,7 +587,7 @@ for dtype, d, group, width in [(torch.bfloat16, 4096, 128, 128), (torch.float32,
     for kernel in compile_offline(dtype, d, 4, group, width):
         print(str(dtype).split(".")[1], d, stack_usage(kernel))
 """)
-    assert len(lines) == 6 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
+    assert len(lines) == 9 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
 
 
 @pytest.mark.gpu
@@ -598,12 +602,13 @@ def test_compiled_block_convolution_equals_the_reference_at_qwen3_8b_width():
         x = torch.randn(n * w, d, device="cuda", generator=gen).to(dtype)
         dynamic = torch.randn(n, w, 2, taps, d // group, device="cuda", generator=gen).to(dtype)[:, :, 0]
         base = torch.randn(taps, d, device="cuda", generator=gen).to(dtype)
-        got = block_convolve_triton(x, dynamic, base, group)
+        got = block_convolve_triton(x, dynamic, base, group, kernel="row")
         want = block_convolve_ref(x.view(n, w, d), dynamic, base, group).view(n * w, d)
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
         else:
             torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+        assert torch.equal(block_convolve_triton(x, dynamic, base, group, kernel="tile"), got)
 
 
 # ---------------------------------------------------------------------------------------------- collect, train

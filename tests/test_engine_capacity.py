@@ -317,12 +317,23 @@ def test_live_policy_picks_dflash_or_dscale_by_tokens_per_second_and_changes_no_
     assert fast["dscale"] > 4 * fast["dflash"] > 0, fast
 
 
-def test_agreement_features_follow_each_request_through_chunks_cache_and_preemption(pair, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("agreement", ["ref", "triton"])
+def test_agreement_features_follow_each_request_through_chunks_cache_and_preemption(pair, monkeypatch, request,  # noqa: F811
+                                                                                   agreement):
     """The v3 agreement columns come from the device's token ring, which the prefill's tail and every step's
     accepted tokens write: traced rows equal the definition over the request's final tokens, with chunked
     prefill, prefix-cache hits (the ring also takes the cached prompt tokens) and preemption with recompute;
-    a 24-token window, so the ring wraps around within prompts and outputs."""
+    a 24-token window, so the ring wraps around within prompts and outputs. Both paths of the columns: the
+    reference over the gathered window, and the one-launch kernel reading the ring (Triton's interpreter)."""
     import dataclasses
+
+    calls = []
+    if agreement == "triton":
+        request.getfixturevalue("interpreter")
+        from dscale_runtime.kernels import triton_agreement
+
+        kernel = triton_agreement.agreement_columns_triton
+        monkeypatch.setattr(triton_agreement, "agreement_columns_triton", lambda *a: calls.append(1) or kernel(*a))
 
     from dscale_runtime import engine as engine_module
     from test_dvl import agreement_brute_force
@@ -339,6 +350,7 @@ def test_agreement_features_follow_each_request_through_chunks_cache_and_preempt
                        kv_cache_tokens=3 * (MAX_LEN + 32), prefix_caching=True, chunked_prefill_tokens=20)
     assert Engine.from_pretrained(*pair, config=cfg).runner.token_ring == 0  # untraced DFlash: no ring kept
     engine = Engine.from_pretrained(*pair, config=cfg, trace_features=True)
+    engine.runner.agreement_backend = agreement  # NOTE: read per step (eager CPU steps)
     spec = engine.feature_spec
     assert spec.num_agreement and engine.runner.token_ring == spec.agreement_window
     traces, rings = [], []
@@ -363,6 +375,7 @@ def test_agreement_features_follow_each_request_through_chunks_cache_and_preempt
             rows += 1
             matched += want[0] > 0
     assert rows > 100 and matched > 0
+    assert len(calls) == (len(traces) if agreement == "triton" else 0)
     r = spec.agreement_window
     checked = 0
     for trace, held in zip(traces, rings):

@@ -163,11 +163,12 @@ def test_compiles_for_sm90_without_spills():
 import torch
 from dscale_runtime.kernels import stack_usage
 from dscale_runtime.kernels.triton_features import compile_offline
-for dtype, rows in [(torch.bfloat16, 15), (torch.bfloat16, 960), (torch.float32, 960)]:
-    for kernel in compile_offline(dtype, rows):
+for dtype, rows, vocab in [(torch.bfloat16, 15, 151936), (torch.bfloat16, 960, 151936), (torch.float32, 960, 151936),
+                           (torch.float32, 480, 16)]:  # NOTE: the last, DFlash 2's 16 selector scores per slot
+    for kernel in compile_offline(dtype, rows, vocab):
         print(str(dtype).split(".")[1], rows, stack_usage(kernel))
 """)
-    assert len(lines) == 6 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
+    assert len(lines) == 8 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
 
 
 # ------------------------------------------------------------------------------------------- router
@@ -277,3 +278,74 @@ def test_cuda_bench_runs():
             fast, ref = bench(rows, QWEN3_VOCAB, dtype, iters=10)
             print(f"rows {rows} {dtype}: triton {fast:.4f} ms, reference {ref:.4f} ms")
             assert 0 < fast and 0 < ref
+
+
+# ------------------------------------------------------------------------------ v3 agreement columns
+def ring_agreement_reference(spec: FeatureSpec, ring, slots, ctx, block) -> torch.Tensor:
+    """`dvl.features.agreement_features` over the window the runner gathers from the ring (`token_window`)."""
+    from dscale_runtime.dvl.features import agreement_features
+
+    r = ring.shape[1]
+    positions = ctx[:, None] + torch.arange(1 - r, 1, device=ring.device)
+    tokens = ring[slots].gather(1, positions % r)
+    return agreement_features(spec, torch.cat([tokens[:, :-1], block[:, :1]], 1), positions >= 0, block)
+
+
+def agreement_case(window: int, width: int, vocab: int, seed: int, device="cpu"):
+    """A ring of 13 rows over a small vocabulary (many matches), 12 requests whose contexts cover the start of a
+    sequence (no token before it), the ring's wrap and long sequences, in permuted ring rows."""
+    gen = torch.Generator().manual_seed(seed)
+    ring = torch.randint(0, vocab, (13, window), generator=gen)
+    ctx = torch.tensor([0, 1, 5, window - 2, window - 1, window, window + 1, 3 * window + 7, 1000, 2, 60, 64])
+    slots = torch.randperm(12, generator=gen)
+    block = torch.randint(0, vocab, (12, width), generator=gen)
+    block[:3, 1:] = ring[slots[:3], :1].expand(-1, width - 1)  # NOTE: runs of one token: long spans and lookups
+    return [t.to(device) for t in (ring, slots, ctx, block)]
+
+
+@needs_triton
+@pytest.mark.parametrize("window,width,ngram,lookup,vocab", [
+    (128, 16, 8, 4, 3),  # the v3 default spec
+    (128, 16, 8, 4, 50),  # few matches
+    (24, 16, 8, 4, 2),  # a window that is not a power of two (the engine tests' 24)
+    (32, 8, 4, 2, 2),  # another block width, span and lookup
+], ids=str)
+def test_agreement_kernel_equals_the_reference(interpreter, window, width, ngram, lookup, vocab):
+    """The one-launch agreement columns read from the ring equal the reference over the gathered window exactly
+    (integer counts and flags)."""
+    import dataclasses
+
+    from dscale_runtime.kernels.triton_agreement import agreement_columns_triton
+
+    spec = dataclasses.replace(FeatureSpec(num_positions=width - 1), agreement_window=window, agreement_ngram=ngram,
+                               agreement_lookup=lookup)
+    ring, slots, ctx, block = agreement_case(window, width, vocab, seed=window + vocab)
+    want = ring_agreement_reference(spec, ring, slots, ctx, block)
+    assert torch.equal(agreement_columns_triton(ring, slots, ctx, block, ngram, lookup), want)
+    assert (want[:, : width - 1] > 0).any() and (want[:, width - 1] > 0).any() or vocab > 10
+    assert agreement_columns_triton(ring, slots[:0], ctx[:0], block[:0], ngram, lookup).shape == (0, 2 * width - 1)
+
+
+@needs_triton
+def test_agreement_kernel_compiles_for_sm90_without_spills():
+    from offline import run_without_interpreter
+
+    lines = run_without_interpreter("""
+from dscale_runtime.kernels import stack_usage
+from dscale_runtime.kernels.triton_agreement import compile_offline
+for window, width in [(128, 16), (24, 8)]:
+    print(window, width, stack_usage(compile_offline(window, width)))
+""")
+    assert len(lines) == 2 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_agreement_kernel_equals_the_reference():
+    from dscale_runtime.kernels.triton_agreement import agreement_columns_triton
+
+    spec = FeatureSpec(num_positions=15)
+    ring, slots, ctx, block = agreement_case(spec.agreement_window, 16, 3, seed=1, device="cuda")
+    want = ring_agreement_reference(spec, ring, slots, ctx, block)
+    got = agreement_columns_triton(ring, slots, ctx, block, spec.agreement_ngram, spec.agreement_lookup)
+    assert torch.equal(got, want)

@@ -283,6 +283,11 @@ def test_measured_policy_times_every_bucket_and_keeps_greedy_output():
         assert times["dflash"] > 0 and times["dscale"] > 0
         assert runner.bucket_modes[size] == ("dscale" if times["dscale"] <= times["dflash"] else "dflash")
         assert engine.step_policy[size]["mode"] == runner.bucket_modes[size]
+    if "dscale" not in runner.bucket_modes.values():  # NOTE: a DFlash engine: neither history nor token ring
+        assert runner.state.history is None and runner.state.tokens is None and runner.token_ring == 0
+        assert engine.prefiller.tail_width == 0
+    else:
+        assert runner.state.tokens is not None and engine.prefiller.tail_width == runner.token_ring > 0
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
 
 

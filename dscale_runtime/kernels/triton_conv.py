@@ -29,7 +29,13 @@ import triton.language as tl
 
 from dscale_runtime.kernels.triton_fused import _DTYPES, _LAUNCH, _round, interpreted
 
-BLOCK_COLUMNS = 1024  # channels per program
+BLOCK_COLUMNS = 1024  # channels per program of the per-row kernel
+TILE_COLUMNS = 128  # channels per program of the tile kernel (its tile: the block's W slots x these channels)
+# The convolution kernel `block_convolve_triton` runs: 'row' (a program per row and 1,024 channels; its base taps
+# are read once per row, ~16 MB from L2 per convolution at Qwen3-8B shape, N = 32) or 'tile' (a program per
+# block and 128 channels: base taps once per block, the block's rows once from memory). NOTE: 'tile' is not yet
+# timed on the GPU; `benchmarks/dflash2_step.py --conv-kernel tile` times it beside 'row'.
+CONV_KERNEL = "row"
 
 
 @triton.jit
@@ -47,6 +53,36 @@ def _block_conv_kernel(x_ptr, dyn_ptr, base_ptr, out_ptr, d, width, dyn_row, dyn
         dyn = tl.load(dyn_ptr + row * dyn_row + o * dyn_tap + cols // GROUP, mask=inside, other=0.0).to(tl.float32)
         acc += _round(_round(base + dyn, DTYPE) * x, DTYPE)
     tl.store(out_ptr + row * d + cols, _round(acc, DTYPE).to(DTYPE), mask=inside)
+
+
+@triton.jit
+def _block_conv_tile_kernel(x_ptr, dyn_ptr, base_ptr, out_ptr, d, width, dyn_row, dyn_tap,
+                            TAPS: tl.constexpr, GROUP: tl.constexpr, SLOTS: tl.constexpr, COLS: tl.constexpr,
+                            DTYPE: tl.constexpr):
+    """A program per (block, channel tile of COLS): the block's SLOTS x COLS tile at once, each tap a shifted
+    load of it (the block's rows, from cache after the first), the tile's base taps loaded once."""
+    block = tl.program_id(0)
+    start = tl.program_id(1) * COLS
+    cols = start + tl.arange(0, COLS)
+    slots = tl.arange(0, SLOTS)
+    inside = cols < d
+    live = slots < width
+    rows = block * width + slots
+    acc = tl.zeros([SLOTS, COLS], dtype=tl.float32)
+    for k in tl.static_range(TAPS):
+        o = TAPS - 1 - k  # NOTE: the oldest tap first, the reference's window order
+        ok = (live & (slots >= o))[:, None] & inside[None, :]
+        x = tl.load(x_ptr + (rows - o)[:, None] * d + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        base = tl.load(base_ptr + o * d + cols, mask=inside, other=0.0).to(tl.float32)
+        if GROUP % COLS == 0:  # NOTE: the tile lies in one group: one dynamic tap per row
+            dyn = tl.load(dyn_ptr + rows * dyn_row + o * dyn_tap + start // GROUP, mask=live,
+                          other=0.0).to(tl.float32)[:, None]
+        else:
+            dyn = tl.load(dyn_ptr + rows[:, None] * dyn_row + o * dyn_tap + (cols // GROUP)[None, :],
+                          mask=live[:, None] & inside[None, :], other=0.0).to(tl.float32)
+        acc += _round(_round(base[None, :] + dyn, DTYPE) * x, DTYPE)
+    tl.store(out_ptr + rows[:, None] * d + cols[None, :], _round(acc, DTYPE).to(DTYPE),
+             mask=live[:, None] & inside[None, :])
 
 
 @triton.jit
@@ -68,8 +104,10 @@ def block_convolve_triton(
     dynamic: torch.Tensor,  # [N, W, taps, G] dynamic taps (unit group stride; rows evenly strided)
     base: torch.Tensor,  # [taps, d] base taps, contiguous
     group_size: int,
+    kernel: str | None = None,  # 'row' or 'tile' (default: CONV_KERNEL)
 ) -> torch.Tensor:  # [N * W, d]
-    """`block_convolve_ref` on packed rows in one launch (see the module docstring for its rounding)."""
+    """`block_convolve_ref` on packed rows in one launch (see the module docstring for its rounding), by the
+    per-row kernel or the per-(block, channel tile) one; both give the same bits."""
     n, width, taps, groups = dynamic.shape
     rows, d = x.shape
     assert x.dtype in _DTYPES and dynamic.dtype == base.dtype == x.dtype, (x.dtype, dynamic.dtype, base.dtype)
@@ -82,6 +120,16 @@ def block_convolve_triton(
     out = torch.empty_like(x)
     if rows == 0:
         return out
+    kernel = kernel or CONV_KERNEL
+    if kernel == "tile":
+        cols = min(TILE_COLUMNS, triton.next_power_of_2(d))
+        slots = triton.next_power_of_2(width)
+        _block_conv_tile_kernel[(n, triton.cdiv(d, cols))](
+            x, dynamic, base, out, d, width, dynamic.stride(1), dynamic.stride(2), TAPS=taps, GROUP=group_size,
+            SLOTS=slots, COLS=cols, DTYPE=_TL[x.dtype], num_warps=max(1, min(8, slots * cols // 512)), **_LAUNCH)
+        return out
+    if kernel != "row":
+        raise ValueError(f"convolution kernel must be 'row' or 'tile', got {kernel!r}")
     block = min(BLOCK_COLUMNS, triton.next_power_of_2(d))
     grid = (rows, triton.cdiv(d, block))
     _block_conv_kernel[grid](x, dynamic, base, out, d, width, dynamic.stride(1), dynamic.stride(2), TAPS=taps,
@@ -113,8 +161,8 @@ def slice_max_triton(logits: torch.Tensor, chunks: int) -> torch.Tensor:
 
 def compile_offline(dtype: torch.dtype, d: int = 4096, taps: int = 4, group: int = 128, slice_width: int = 128,
                     arch: int = 90) -> list:
-    """Both kernels compiled for an NVIDIA target without a GPU (Triton's bundled ptxas), with the wrappers' launch
-    options: a CI check of the compiled path, which Triton's interpreter does not make (it runs code the compiler
+    """The kernels (both convolutions, the slice maxima) compiled for an NVIDIA target without a GPU (Triton's
+    bundled ptxas), with the wrappers' launch options: a CI check of the compiled path, which Triton's interpreter does not make (it runs code the compiler
     refuses). Needs triton imported without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -125,10 +173,16 @@ def compile_offline(dtype: torch.dtype, d: int = 4096, taps: int = 4, group: int
     conv = {"TAPS": taps, "GROUP": group, "BLOCK": min(BLOCK_COLUMNS, triton.next_power_of_2(d)), "DTYPE": _TL[dtype]}
     conv_sig = {n: "constexpr" if n in conv else elem if n.endswith("_ptr") else "i32"
                 for n in _block_conv_kernel.arg_names}
+    tile = {"TAPS": taps, "GROUP": group, "SLOTS": 16, "COLS": min(TILE_COLUMNS, triton.next_power_of_2(d)),
+            "DTYPE": _TL[dtype]}
+    tile_sig = {n: "constexpr" if n in tile else elem if n.endswith("_ptr") else "i32"
+                for n in _block_conv_tile_kernel.arg_names}
     maxima = {"SLICES": SLICES_PER_PROGRAM, "WIDTH": triton.next_power_of_2(slice_width)}
     maxima_sig = {n: "constexpr" if n in maxima else elem if n.endswith("_ptr") else "i32"
                   for n in _slice_max_kernel.arg_names}
     return [triton.compile(ASTSource(_block_conv_kernel, conv_sig, constexprs=conv), target=target,
                            options={"num_warps": 4, **_LAUNCH}),
+            triton.compile(ASTSource(_block_conv_tile_kernel, tile_sig, constexprs=tile), target=target,
+                           options={"num_warps": max(1, min(8, 16 * tile["COLS"] // 512)), **_LAUNCH}),
             triton.compile(ASTSource(_slice_max_kernel, maxima_sig, constexprs=maxima), target=target,
                            options={"num_warps": 4})]

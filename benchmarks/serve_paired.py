@@ -1,0 +1,140 @@
+"""Running dscale-serve servers compared pass by pass (issue 25 acceptance 3): at each sampling point and
+concurrency, every server runs one closed-loop pass of >= --pass-s seconds in turn, for --rounds rounds (each
+round starts one server later), so neighbouring passes of different servers see the same machine. On the GPU
+machine the served demo pair is host-bound and the host's speed drifts by 10-30% over tens of seconds
+(docs/benchmarks.md, 2026-12-04): a whole sweep per server cannot resolve a few percent, adjacent passes can.
+
+Per point and server: the median tokens/s over the rounds and, per round, the server's tokens/s over the best
+server's of that round and over target-only's of that round (the paired ratios: their median and range).
+Requests are dscale-bench's (`dscale_runtime.bench`: the same manifest, seeds, warmup and pass sizing).
+
+    python benchmarks/serve_paired.py --servers target=http://127.0.0.1:8001,dscale=http://127.0.0.1:8002 \\
+        --points "greedy:--temperature 0;t1:--temperature 1" --concurrency 1,8,32 --rounds 5 --pass-s 2 \\
+        --out paired.json
+(`benchmarks/serve_sweep_gpu.sh` with PAIRED=1 starts the servers and runs this.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dscale_runtime.bench import BenchConfig, closed_loop, manifest, read_counters, request_stream, \
+    server_identity, summarise  # noqa: E402
+
+SAMPLING = {"--temperature": ("temperature", float), "--top-p": ("top_p", float), "--top-k": ("top_k", int)}
+
+
+def parse_points(text: str) -> dict[str, dict]:
+    """'name:--temperature 0.7 --top-p 0.8;...' -> {name: BenchConfig sampling fields}."""
+    points = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        name, _, flags = entry.partition(":")
+        words, fields = shlex.split(flags), {}
+        if len(words) % 2:
+            raise ValueError(f"point {name!r}: flags come in pairs, got {flags!r}")
+        for flag, value in zip(words[::2], words[1::2]):
+            if flag not in SAMPLING:
+                raise ValueError(f"point {name!r}: unknown flag {flag} (known: {', '.join(SAMPLING)})")
+            key, kind = SAMPLING[flag]
+            fields[key] = kind(value)
+        points[name] = fields
+    if not points:
+        raise ValueError("--points names no point")
+    return points
+
+
+def one_pass(config: BenchConfig, url: str, model: str, c: int, measured: list[dict]) -> dict:
+    before = read_counters(url)
+    records = asyncio.run(closed_loop(url, model, measured, c, config.timeout, config.min_duration_s,
+                                      config.request_cap, request_stream(config)))
+    return summarise(records, before, read_counters(url))
+
+
+def paired(servers: dict[str, str], points: dict[str, dict], levels: list[int], rounds: int, pass_s: float,
+           num_requests: int, warmup: int, max_tokens: int) -> list[dict]:
+    names = list(servers)
+    models = {name: server_identity(url)[0] for name, url in servers.items()}
+    rows = []
+    for point, sampling in points.items():
+        config = BenchConfig(url=next(iter(servers.values())), num_requests=num_requests, warmup=warmup,
+                             min_duration_s=pass_s, max_tokens=max_tokens, **sampling)
+        warm, measured = manifest(config)
+        for c in levels:
+            for name in names:
+                asyncio.run(closed_loop(servers[name], models[name], warm, c, config.timeout))
+            passes: dict[str, list[dict]] = {name: [] for name in names}
+            for r in range(rounds):
+                for name in names[r % len(names):] + names[: r % len(names)]:
+                    passes[name].append(one_pass(config, servers[name], models[name], c, measured))
+            tok = {name: [p["output_throughput"] for p in passes[name]] for name in names}
+            best_of_round = [max(tok[name][r] for name in names) for r in range(rounds)]
+            row = {"point": point, **sampling, "concurrency": c, "servers": {}}
+            for name in names:
+                vs_best = [tok[name][r] / best_of_round[r] for r in range(rounds)]
+                entry = {"tok_s": statistics.median(tok[name]), "tok_s_rounds": tok[name],
+                         "vs_best": statistics.median(vs_best), "vs_best_range": [min(vs_best), max(vs_best)],
+                         "acceptance_length": statistics.median(p["mean_acceptance_length"] for p in passes[name]),
+                         "ttft_median": statistics.median(p["ttft_median"] for p in passes[name]),
+                         "pass_s_min": min(p["duration"] for p in passes[name])}
+                if "target" in tok:
+                    vs_target = [tok[name][r] / tok["target"][r] for r in range(rounds)]
+                    entry.update(vs_target=statistics.median(vs_target),
+                                 vs_target_range=[min(vs_target), max(vs_target)])
+                row["servers"][name] = entry
+            rows.append(row)
+            print(f"[paired] {point} c={c}: " + "; ".join(
+                f"{n} {e['tok_s']:.0f} tok/s, x best {e['vs_best']:.3f} [{e['vs_best_range'][0]:.3f}-"
+                f"{e['vs_best_range'][1]:.3f}]" + (f", x target {e['vs_target']:.3f}" if "vs_target" in e else "")
+                for n, e in row["servers"].items()), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    names = list(rows[0]["servers"])
+    lines = ["| point | c | " + " | ".join(f"{n}: tok/s, x best (paired, range), x target" for n in names) + " |",
+             "| --- | --- |" + " --- |" * len(names)]
+    for row in rows:
+        cells = []
+        for n in names:
+            e = row["servers"][n]
+            cells.append(f"{e['tok_s']:,.0f}, {e['vs_best']:.3f} [{e['vs_best_range'][0]:.3f}-"
+                         f"{e['vs_best_range'][1]:.3f}]" + (f", {e['vs_target']:.2f}" if "vs_target" in e else ""))
+        lines.append(f"| {row['point']} | {row['concurrency']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", required=True, help="name=url,name=url,... (a server named 'target' is the "
+                                                         "baseline of the 'x target' ratios)")
+    parser.add_argument("--points", default="greedy:--temperature 0;t1:--temperature 1;"
+                                            "t07p08:--temperature 0.7 --top-p 0.8")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pass-s", type=float, default=2.0, help="seconds each pass lasts at least")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    servers = dict(s.split("=", 1) for s in args.servers.split(",") if s)
+    if not servers or args.rounds < 1:
+        parser.error("--servers needs name=url entries and --rounds >= 1")
+    rows = paired(servers, parse_points(args.points), [int(c) for c in args.concurrency.split(",")], args.rounds,
+                  args.pass_s, args.num_requests, args.warmup, args.max_tokens)
+    print(table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
