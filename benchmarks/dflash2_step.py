@@ -12,7 +12,8 @@ captured on CUDA (eager elsewhere):
   ratios `dflash2 / dflash1` (acceptance 5: <= 1.05 at N = 8, 16, 32) and `dscale/dflash` of each drafter;
   `--candidate-chunks C` adds DFlash 2 with its candidates' top-k over C vocabulary slices (`dflash2-cC`; 1: one
   torch.topk, the top-k before the sliced one became the default); `--conv-kernel tile` adds DFlash 2 with the
-  per-block-tile convolution kernel (`dflash2-tile`) and times both convolution kernels alone;
+  per-block-tile convolution kernel (`dflash2-tile`) and times both convolution kernels alone; `--decision-kernels`
+  adds DScale with its decision's Triton kernels (`dscale-k`: agreement columns, allocation, flat pack);
 - `--profile`: both drafters' captured greedy DFlash steps by kernel (`gpu_step.kernel_table`), and the kernels
   whose time differs most between them.
 
@@ -65,6 +66,7 @@ def build_dflash2(bench: Bench, args, seed: int = 7) -> DFlash2DraftModel:
 
 CHUNKS: dict[str, int] = {}  # DFlash 2 drafter name -> its candidates' top-k slices (`candidate_chunks`)
 CONV: dict[str, str] = {}  # DFlash 2 drafter name -> its convolution kernel (`triton_conv.CONV_KERNEL`)
+MODES = ["dflash", "dscale"]  # + 'dscale-k' with --decision-kernels
 
 
 def use_drafter(bench: Bench, drafter, name: str) -> None:
@@ -107,9 +109,13 @@ def conv_section(bench: Bench, args, result: dict) -> None:
 
 def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs: bool, ratio: float,
                 name: str = ""):
-    """One step's result tensor [n, 4 + W] on the host, and the runner (its first call builds the step)."""
+    """One step's result tensor [n, 4 + W] on the host, and the runner (its first call builds the step). Mode
+    'dscale-k': the DScale step with its decision's Triton kernels (`KernelChoice.decision`)."""
     use_drafter(bench, drafter, name)
-    runner = bench.runner(mode, ratio, graphs, [n])
+    runner = bench.runner(mode.removesuffix("-k"), ratio, graphs, [n])
+    if mode.endswith("-k"):
+        runner.agreement_backend = runner.pack_backend = "triton"
+    mode = mode.removesuffix("-k")
     batch, kind = bench.batch(n, sampling), step_kind(mode, sampling, bench.sampled_rule)
     out = batch.run(runner, kind)
     rows = [[a, s, k] + d for a, s, k, d in zip(out.accepted, out.successors, out.verify_lens, out.drafts)]
@@ -117,16 +123,24 @@ def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs:
 
 
 def check_section(bench: Bench, drafter, n: int, ratio: float, result: dict, name: str = "dflash2") -> None:
-    """Captured == eager for the DFlash 2 steps (same inputs, same caches: the steps write the same K/V)."""
-    for mode in ("dflash", "dscale"):
+    """Captured == eager for the DFlash 2 steps (same inputs, same caches: the steps write the same K/V); with
+    --decision-kernels, also DScale's eager step with its decision's Triton kernels == the reference decision's."""
+    suffix = "" if name == "dflash2" else f" {name}"
+    eagers = {}
+    for mode in MODES:
         for sampling in ("greedy", "sampled"):
-            eager = step_result(bench, drafter, mode, n, sampling, False, ratio, name)[0]
+            eager = eagers[mode, sampling] = step_result(bench, drafter, mode, n, sampling, False, ratio, name)[0]
             captured = step_result(bench, drafter, mode, n, sampling, True, ratio, name)[0]
-            key = f"captured_equals_eager {mode} {sampling} N={n}" + ("" if name == "dflash2" else f" {name}")
+            key = f"captured_equals_eager {mode} {sampling} N={n}" + suffix
             result["checks"][key] = bool(torch.equal(eager, captured))
             if not result["checks"][key]:
                 result["errors"].append(f"{key}: {(eager != captured).any(1).sum().item()} of {n} rows differ")
             release(bench.device)
+    for sampling in ("greedy", "sampled") if "dscale-k" in MODES else ():
+        key = f"decision_kernels_equal_reference {sampling} N={n}" + suffix
+        result["checks"][key] = bool(torch.equal(eagers["dscale", sampling], eagers["dscale-k", sampling]))
+        if not result["checks"][key]:
+            result["errors"].append(key)
 
 
 def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> None:
@@ -137,7 +151,7 @@ def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> 
     graphs = bench.device.type == "cuda"
     steps = {}
     for name, drafter in drafters.items():
-        for mode in ("dflash", "dscale"):
+        for mode in MODES:
             for sampling in ("greedy", "sampled"):
                 _, runner, batch, kind = step_result(bench, drafter, mode, n, sampling, graphs, args.ratio, name)
                 steps[f"{name} {mode} {sampling}"] = (runner, batch, kind)
@@ -154,7 +168,8 @@ def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> 
             if name != "dflash1":
                 pairs[f"{name}/dflash1 {sampling}"] = (f"{name} dflash {sampling}", f"dflash1 dflash {sampling}")
         for name in drafters:
-            pairs[f"{name} dscale/dflash {sampling}"] = (f"{name} dscale {sampling}", f"{name} dflash {sampling}")
+            for mode in MODES[1:]:
+                pairs[f"{name} {mode}/dflash {sampling}"] = (f"{name} {mode} {sampling}", f"{name} dflash {sampling}")
     median = lambda xs: float(statistics.median(xs))  # noqa: E731
     ms = {key: round(median([t[key] for t in rounds]), 4) for key in keys}
     ratios, spread = {}, {}
@@ -233,6 +248,9 @@ def parse_args(argv):
     parser.add_argument("--conv-kernel", choices=("row", "tile"), default="row",
                         help="tile: also time DFlash 2 with the per-block-tile convolution kernel (`dflash2-tile`) "
                              "and both kernels alone (CUDA)")
+    parser.add_argument("--decision-kernels", action="store_true",
+                        help="also time DScale with its decision's Triton kernels (mode `dscale-k`: agreement "
+                             "columns, allocation and flat pack; KernelChoice.decision='triton')")
     parser.add_argument("--profile", action="store_true",
                         help="also profile both drafters' greedy DFlash and DScale steps")
     parser.add_argument("--out", default=None)
@@ -250,6 +268,8 @@ def main(argv=None) -> dict:
     with benchmark_settings(args.device, args.tiny):
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         bench = Bench(SHAPES[args.shape], args.device, dtype, max(args.ns), args.context)
+        if args.decision_kernels:
+            MODES.append("dscale-k")
         drafters = {"dflash1": bench.drafter, "dflash2": build_dflash2(bench, args)}
         CHUNKS["dflash2"] = drafters["dflash2"].candidate_chunks  # NOTE: the drafter's default (`candidate_chunks`)
         if args.conv_kernel == "tile":  # NOTE: the same module, the other convolution kernel

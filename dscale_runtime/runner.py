@@ -36,7 +36,7 @@ from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.dvl.allocate import allocate, budget_rows
 from dscale_runtime.dvl.calibration import calibrated_scores, conditional_scores, identity_knots, pack_unit, unpack_unit
 from dscale_runtime.dvl.features import acceptance_features, agreement_features, sampling_features
-from dscale_runtime.dvl.pack import flat_pack, packed_metadata
+from dscale_runtime.dvl.pack import PackedBatch, flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import seed_lengths
 from dscale_runtime.graphs import GraphedCall, collect_garbage, cuda_times
 from dscale_runtime.kv_cache import SCRATCH_PAGE
@@ -331,6 +331,19 @@ class BucketStep:
         conditionals = conditional_scores(scores)  # [B, W-1] the raw map inputs, returned to the host's watch
         if r.calibration_knots is not None:  # NOTE: the live map, a fixed-address tensor the host rewrites
             scores = calibrated_scores(conditionals, r.calibration_knots)
+        if r.pack_backend == "triton":
+            # NOTE: the allocation and the flat pack with its metadata in two launches (the reference's ~70)
+            from dscale_runtime.kernels.triton_pack import allocate_triton, flat_pack_triton
+
+            lens = allocate_triton(scores.float().contiguous(), buf.live, buf.budget, w)
+            fields, query_lens, query_starts, kv_lens = flat_pack_triton(lens, block, buf.ctx, buf.block_tables,
+                                                                         self.num_rows, buf.page_size)
+            packed = PackedBatch(**fields)
+            tables = torch.cat([buf.block_tables, torch.full_like(buf.block_tables[:1], SCRATCH_PAGE)])
+            meta = AttentionMetadata(packed.row_req, packed.row_local, packed.positions, packed.slot_mapping, kv_lens,
+                                     tables, max_q=w, max_kv=self.max_kv, causal=True, query_starts=query_starts,
+                                     query_lens=query_lens)
+            return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features, pack_unit(conditionals))
         lens = allocate(scores, seed_lengths(scores, w), buf.live > 0, buf.budget)
         packed = flat_pack(lens, block, buf.ctx, buf.block_tables, self.num_rows, buf.page_size)
         # NOTE: max_q = W bounds the live requests; placeholders (num_rows > M_live) share local slots up to W - 1
@@ -549,7 +562,10 @@ class StepRunner:
         # DFlash 2's features read K selector scores per slot instead of V logits: the same two launches (one
         # chunk per row) where the reference takes about a dozen small ones
         self.features_backend = drafter.kernels.features if drafter is not None else "ref"
-        self.agreement_backend = self.features_backend  # the v3 agreement columns' path ('triton': one launch)
+        # DScale's decision (KernelChoice.decision): the v3 agreement columns ('triton': one launch) and the
+        # allocation with the flat pack ('triton': two launches); attributes, so a test or benchmark may set them
+        # before the steps are built
+        self.agreement_backend = self.pack_backend = drafter.kernels.decision if drafter is not None else "ref"
         self.sampling_backend = target.kernels.fused  # the sampler's kernels: chunk sums, draws, inverse CDF
         self.device = torch.device(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)

@@ -114,6 +114,38 @@ def test_dscale_with_oracle_drafts_is_lossless_and_retains(pair, predictors):  #
     assert 0 < c.retained_drafts <= c.full_width_drafts
 
 
+def test_dscale_decisions_through_the_triton_kernels_equal_the_reference(pair, predictors, interpreter,  # noqa: F811
+                                                                          monkeypatch):
+    """The allocation, flat pack and v3 agreement columns through their Triton kernels (the interpreter; what a CUDA
+    runner uses) decide every step as the torch reference does: the same verify lengths step by step, over a
+    predictor that spreads them, with grow and shrink budgets, output equal to target-only's."""
+    from dscale_runtime.kernels import triton_agreement, triton_pack
+
+    calls = collections.Counter()
+    for module, name in ((triton_pack, "allocate_triton"), (triton_pack, "flat_pack_triton"),
+                         (triton_agreement, "agreement_columns_triton")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name: calls.update([_n]) or _k(*a))
+    prompts, _ = prompt_set(12, seed=11)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    continuations = make_engine(pair, "target").generate(prompts, long)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(prompts)
+    want = make_engine(pair, "target").generate(prompts, params)
+    runs = []
+    for backend in ("ref", "triton"):
+        for ratio in (0.25, 0.75):
+            engine = dscale_engine(pair, predictors["heuristic"], cls=OracleDraftEngine, max_running_requests=6,
+                                   budget_ratio=ratio, keep_history=True,
+                                   continuations={str(i): o.token_ids for i, o in enumerate(continuations)})
+            assert engine.feature_spec.num_agreement
+            engine.runner.pack_backend = engine.runner.agreement_backend = backend  # NOTE: read per eager step
+            assert_same(engine.generate(prompts, params), want)
+            runs.append([step.verify_lens for step in engine.counters.history])
+    assert runs[:2] == runs[2:]
+    assert len({k for steps in runs for lens in steps for k in lens}) > 3
+    assert len(set(calls.values())) == 1 and calls["allocate_triton"] >= sum(map(len, runs[2:])), calls
+
+
 def test_full_budget_and_certain_predictor_reproduce_dflash(pair, reference, predictors):  # noqa: F811
     prompts, params, _ = reference
     dflash = make_engine(pair, max_running_requests=8).generate(prompts, params)

@@ -2,8 +2,8 @@
 
 `KernelChoice.resolve(device, dtype, ...)` applies the auto rule once (Triton on CUDA for a dtype the Triton
 kernels take, when triton is importable; the portable reference otherwise) and validates what was asked for.
-Its options default to the environment variables DSCALE_ATTENTION, DSCALE_ATTENTION_TILE, DSCALE_FUSED and
-DSCALE_FEATURES, read there and nowhere else: the models keep the resolved choice (`use_kernels` changes it)
+Its options default to the environment variables DSCALE_ATTENTION, DSCALE_ATTENTION_TILE, DSCALE_FUSED,
+DSCALE_FEATURES and DSCALE_DECISION, read there and nowhere else: the models keep the resolved choice (`use_kernels` changes it)
 and hand it to the routers (`kernels.paged_attention`, `kernels.fused`, `kernels.features`) on every call, so
 no call reads the environment. The routers' per-call checks are about tensors only (autograd, mixed dtypes,
 toy vocabularies), never about settings.
@@ -23,7 +23,8 @@ REQUESTS = ("auto", *BACKENDS)  # what a caller may ask for
 TILE_ROWS = (16, 32, 64, 128)  # query tiles a caller may force
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what every Triton path takes
 ENVIRONMENT = {"attention": "DSCALE_ATTENTION", "attention_tile": "DSCALE_ATTENTION_TILE",
-               "fused": "DSCALE_FUSED", "features": "DSCALE_FEATURES"}  # option -> its default's variable
+               "fused": "DSCALE_FUSED", "features": "DSCALE_FEATURES",
+               "decision": "DSCALE_DECISION"}  # option -> its default's variable
 
 
 @functools.cache
@@ -64,9 +65,13 @@ class KernelChoice:
     """The layer's elementwise ops (RMSNorm, add + RMSNorm, q/k norm + RoPE, SiLU x up): 'ref' or 'triton'."""
     features: str = "ref"
     """The predictor's confidence features over the drafter logits: 'ref' or 'triton'."""
+    decision: str = "ref"
+    """DScale's decision around the predictor: the v3 agreement columns and the allocation with the flat pack,
+    'ref' (the torch definitions, ~120 small launches in a captured step) or 'triton' (`kernels/triton_agreement.py`,
+    `kernels/triton_pack.py`: three launches, exactly the same columns and lengths)."""
 
     def __post_init__(self) -> None:
-        for option in ("attention", "fused", "features"):
+        for option in ("attention", "fused", "features", "decision"):
             value = getattr(self, option)
             if value not in BACKENDS:
                 hint = " (KernelChoice.resolve applies 'auto')" if value == "auto" else ""
@@ -85,12 +90,16 @@ class KernelChoice:
         attention_tile: int | None = None,
         fused: str = "auto",
         features: str = "auto",
+        decision: str | None = None,
     ) -> "KernelChoice":
         """The choice for models of `dtype` on `device`. An option left at 'auto' (None for the tile) takes its
         environment variable (DSCALE_ATTENTION, DSCALE_ATTENTION_TILE, DSCALE_FUSED, DSCALE_FEATURES) when that
         is set and non-empty; what is still 'auto' then follows the auto rule (`auto_backend`). An explicit
-        'ref' or 'triton' wins over the environment. Bad values name the argument or variable to fix."""
-        asked = {"attention": attention, "fused": fused, "features": features}
+        'ref' or 'triton' wins over the environment. Bad values name the argument or variable to fix.
+        `decision` left at None takes DSCALE_DECISION, else 'ref': its Triton kernels are not the default
+        until they have been timed and tested on the GPU ('auto' asks for the auto rule)."""
+        asked = {"attention": attention, "fused": fused, "features": features,
+                 "decision": decision if decision is not None else os.environ.get(ENVIRONMENT["decision"]) or "ref"}
         chosen = {}
         for option, value in asked.items():
             variable = ENVIRONMENT[option]
