@@ -720,9 +720,9 @@ class StepRunner:
         if "dscale" not in self.bucket_modes.values():
             # No bucket decides: the engine is a DFlash engine. Its steps need no context-feature history and
             # (untraced) no token ring, so the measured graphs are dropped and recaptured without them (`prepare`
-            # captures what is served; the engine builds its prefill after this, without the ring's tails). The
-            # ring cost each step and prefill a few launches: the served default trailed the DFlash server by
-            # 2-4% at every point of a paired sweep (docs/benchmarks.md, 2026-12-04).
+            # captures what is served; the engine builds its prefill after this, without the ring's tails). While
+            # it kept the ring (a few launches per step and prefill), the served default trailed the DFlash server
+            # by 2-4% at every point of a paired sweep (docs/benchmarks.md, 2026-12-04).
             self.state.history = None
             if not self.traced:
                 self.state.tokens, self.token_ring = None, 0

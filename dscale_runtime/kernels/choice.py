@@ -3,10 +3,10 @@
 `KernelChoice.resolve(device, dtype, ...)` applies the auto rule once (Triton on CUDA for a dtype the Triton
 kernels take, when triton is importable; the portable reference otherwise) and validates what was asked for.
 Its options default to the environment variables DSCALE_ATTENTION, DSCALE_ATTENTION_TILE, DSCALE_FUSED,
-DSCALE_FEATURES and DSCALE_DECISION, read there and nowhere else: the models keep the resolved choice (`use_kernels` changes it)
-and hand it to the routers (`kernels.paged_attention`, `kernels.fused`, `kernels.features`) on every call, so
-no call reads the environment. The routers' per-call checks are about tensors only (autograd, mixed dtypes,
-toy vocabularies), never about settings.
+DSCALE_FEATURES and DSCALE_DECISION, read there and nowhere else: the models keep the resolved choice
+(`use_kernels` changes it) and hand it to the routers (`kernels.paged_attention`, `kernels.fused`,
+`kernels.features`) on every call, so no call reads the environment. The routers' per-call checks are about
+tensors only (autograd, mixed dtypes, toy vocabularies), never about settings.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ class KernelChoice:
     """The predictor's confidence features over the drafter logits: 'ref' or 'triton'."""
     decision: str = "ref"
     """DScale's decision around the predictor: the v3 agreement columns and the allocation with the flat pack,
-    'ref' (the torch definitions, ~120 small launches in a captured step) or 'triton' (`kernels/triton_agreement.py`,
-    `kernels/triton_pack.py`: three launches, exactly the same columns and lengths)."""
+    'ref' (the torch definitions, about a hundred small launches in a captured step) or 'triton'
+    (`kernels/triton_agreement.py`, `kernels/triton_pack.py`: three launches, the same columns and lengths)."""
 
     def __post_init__(self) -> None:
         for option in ("attention", "fused", "features", "decision"):

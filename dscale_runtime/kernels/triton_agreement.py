@@ -102,8 +102,8 @@ def agreement_columns_triton(ring: torch.Tensor, slots: torch.Tensor, ctx: torch
     if n == 0:
         return out
     _agreement_kernel[(n,)](ring, slots, ctx, block, out, ring.stride(0), block.stride(0), out.stride(0), P=p,
-                            PB=triton.next_power_of_2(max(p, 1)), R=r, RB=triton.next_power_of_2(r), NGRAM=ngram, LOOKUP=lookup,
-                            num_warps=4)
+                            PB=triton.next_power_of_2(max(p, 1)), R=r, RB=triton.next_power_of_2(r), NGRAM=ngram,
+                            LOOKUP=lookup, num_warps=4)
     return out
 
 

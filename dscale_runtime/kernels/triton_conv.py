@@ -162,8 +162,8 @@ def slice_max_triton(logits: torch.Tensor, chunks: int) -> torch.Tensor:
 def compile_offline(dtype: torch.dtype, d: int = 4096, taps: int = 4, group: int = 128, slice_width: int = 128,
                     arch: int = 90) -> list:
     """The kernels (both convolutions, the slice maxima) compiled for an NVIDIA target without a GPU (Triton's
-    bundled ptxas), with the wrappers' launch options: a CI check of the compiled path, which Triton's interpreter does not make (it runs code the compiler
-    refuses). Needs triton imported without TRITON_INTERPRET."""
+    bundled ptxas), with the wrappers' launch options: a CI check of the compiled path, which Triton's interpreter
+    does not make (it runs code the compiler refuses). Needs triton imported without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -80,7 +80,8 @@ def allocate_triton(scores: torch.Tensor, live: torch.Tensor, budget: torch.Tens
     """`allocate(scores, seed_lengths(scores, W), live > 0, budget)` in one launch: scores [N, W-1] float32
     (non-increasing rows), live [N] int64 (> 0: live), budget [] int64 (M_live) -> [N] int64 verify lengths."""
     n, p = scores.shape
-    assert p == block_size - 1 and scores.dtype == torch.float32 and scores.is_contiguous(), (scores.shape, scores.dtype)
+    assert p == block_size - 1 and scores.dtype == torch.float32 and scores.is_contiguous(), \
+        (scores.shape, scores.dtype)
     assert live.dtype == budget.dtype == torch.int64 and budget.numel() == 1
     if not scores.is_cuda and not interpreted():
         raise RuntimeError("the Triton allocation on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
