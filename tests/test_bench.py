@@ -413,3 +413,42 @@ def test_duration_target_against_a_fast_server(tiny, tmp_path, capsys):
         report = run(BenchConfig(**{**capped.__dict__, "url": server.url}))
     assert [p["requests"] for p in report["points"][0]["passes"]] == [5, 5]
     assert capsys.readouterr().out.count("stopped at --max-requests 5, short of the --min-duration-s target") == 2
+
+
+def test_serve_paired_takes_each_ratio_within_its_round(monkeypatch, capsys):
+    """benchmarks/serve_paired.py: every server runs one pass per round at each point and concurrency, each round
+    starting one server later; a server's 'x best' and 'x target' are medians of per-round ratios (a drift of the
+    machine between rounds cancels), its tok/s the median of its rounds."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "serve_paired.py"
+    spec = importlib.util.spec_from_file_location("serve_paired", path)
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    assert paired.parse_points("a:--temperature 0.7 --top-p 0.8; b:--temperature 0 --top-k 5") == {
+        "a": {"temperature": 0.7, "top_p": 0.8}, "b": {"temperature": 0.0, "top_k": 5}}
+    for bad, message in (("a:--temperature", "in pairs"), ("a:--seed 3", "unknown flag"), (";", "no point")):
+        with pytest.raises(ValueError, match=message):
+            paired.parse_points(bad)
+    order, speed = [], {"target": 1.0, "fast": 2.0, "slow": 1.9}
+
+    def one_pass(config, url, model, c, measured):  # the machine runs at 1, 3, 2 x in rounds 1, 2, 3
+        order.append(url)
+        drift = (1.0, 3.0, 2.0)[(len(order) - 1) // 3 % 3]  # NOTE: three servers, three passes a round
+        return {"output_throughput": 100 * c * speed[url] * drift, "mean_acceptance_length": 2.0,
+                "ttft_median": 0.01, "duration": 1.5}
+
+    monkeypatch.setattr(paired, "one_pass", one_pass)
+    monkeypatch.setattr(paired, "server_identity", lambda url: ("m", url))
+    monkeypatch.setattr(paired, "closed_loop", lambda *a, **k: asyncio.sleep(0))
+    rows = paired.paired({n: n for n in speed}, {"greedy": {"temperature": 0.0}}, [1, 8], 3, 1.0, 4, 1, 8)
+    assert order[:9] == ["target", "fast", "slow", "fast", "slow", "target", "slow", "target", "fast"]
+    assert [r["concurrency"] for r in rows] == [1, 8]
+    for row in rows:
+        s = row["servers"]
+        assert s["fast"]["vs_best"] == 1.0 and s["target"]["vs_target"] == 1.0
+        assert s["slow"]["vs_best"] == pytest.approx(0.95)
+        assert s["slow"]["vs_best_range"] == pytest.approx([0.95, 0.95])
+        assert s["fast"]["vs_target"] == pytest.approx(2.0) and s["fast"]["tok_s"] == 200 * row["concurrency"] * 2.0
+    assert "| greedy | 8 |" in paired.table(rows)
