@@ -444,6 +444,12 @@ class BucketStep:
         """Rows whose `host` flag is 0 take anchor, ctx and context from the device state (the results of a step
         the host has not read yet); the others keep what the host staged."""
         buf, state = self.buf, self.runner.state
+        if self.runner.pack_backend == "triton":  # NOTE: one launch (kernels/triton_state.py)
+            from dscale_runtime.kernels.triton_state import resolve_triton
+
+            resolve_triton(buf.anchor, buf.ctx, buf.context, buf.host, buf.slot, buf.live, state.anchor, state.ctx,
+                           state.history)
+            return
         ahead = buf.host == 0
         buf.anchor.copy_(torch.where(ahead, state.anchor[buf.slot], buf.anchor))
         buf.ctx.copy_(torch.where(ahead, state.ctx[buf.slot], buf.ctx))
@@ -457,6 +463,12 @@ class BucketStep:
         """Write each request's next state (anchor = successor, ctx + accepted + 1, one more history entry, and
         the anchor and accepted drafts of `block` [B, W] into the token ring)."""
         buf, state = self.buf, self.runner.state
+        if self.runner.pack_backend == "triton":  # NOTE: one launch (kernels/triton_state.py)
+            from dscale_runtime.kernels.triton_state import advance_triton
+
+            advance_triton(accepted, successor, block, buf.slot, buf.ctx, buf.context, state.anchor, state.ctx,
+                           state.history, state.tokens, state.dummy)
+            return
         if state.tokens is not None:
             slots = torch.arange(block.shape[1], device=block.device)
             rows = torch.where(slots <= accepted[:, None], buf.slot[:, None], state.dummy)  # the rest: the dummy row
@@ -562,9 +574,9 @@ class StepRunner:
         # DFlash 2's features read K selector scores per slot instead of V logits: the same two launches (one
         # chunk per row) where the reference takes about a dozen small ones
         self.features_backend = drafter.kernels.features if drafter is not None else "ref"
-        # DScale's decision (KernelChoice.decision): the v3 agreement columns ('triton': one launch) and the
-        # allocation with the flat pack ('triton': two launches); attributes, so a test or benchmark may set them
-        # before the steps are built
+        # DScale's decision (KernelChoice.decision): the v3 agreement columns ('triton': one launch), and the
+        # allocation with the flat pack and the state's resolve / advance ('triton': one launch each); attributes,
+        # so a test or benchmark may set them before the steps are built
         self.agreement_backend = self.pack_backend = drafter.kernels.decision if drafter is not None else "ref"
         self.sampling_backend = target.kernels.fused  # the sampler's kernels: chunk sums, draws, inverse CDF
         self.device = torch.device(device)

@@ -350,7 +350,8 @@ def test_agreement_features_follow_each_request_through_chunks_cache_and_preempt
                        kv_cache_tokens=3 * (MAX_LEN + 32), prefix_caching=True, chunked_prefill_tokens=20)
     assert Engine.from_pretrained(*pair, config=cfg).runner.token_ring == 0  # untraced DFlash: no ring kept
     engine = Engine.from_pretrained(*pair, config=cfg, trace_features=True)
-    engine.runner.agreement_backend = agreement  # NOTE: read per step (eager CPU steps)
+    # NOTE: read per step (eager CPU steps); 'triton' also writes the ring through the state kernel
+    engine.runner.agreement_backend = engine.runner.pack_backend = agreement
     spec = engine.feature_spec
     assert spec.num_agreement and engine.runner.token_ring == spec.agreement_window
     traces, rings = [], []

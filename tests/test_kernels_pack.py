@@ -61,17 +61,18 @@ def test_triton_allocation_and_pack_equal_the_reference(interpreter, trial):
 
 
 @needs_triton
-def test_pack_kernels_compile_for_sm90_without_spills():
+def test_pack_and_state_kernels_compile_for_sm90_without_spills():
     from offline import run_without_interpreter
 
     lines = run_without_interpreter("""
 from dscale_runtime.kernels import stack_usage
 from dscale_runtime.kernels.triton_pack import compile_offline
+from dscale_runtime.kernels import triton_state
 for batch in (8, 32, 256):
-    for kernel in compile_offline(batch):
+    for kernel in compile_offline(batch) + triton_state.compile_offline(batch):
         print(batch, stack_usage(kernel))
 """)
-    assert len(lines) == 6 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
+    assert len(lines) == 12 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
 
 
 @pytest.mark.gpu
@@ -79,3 +80,55 @@ for batch in (8, 32, 256):
 def test_cuda_allocation_and_pack_equal_the_reference():
     for trial in range(30):
         check(trial, "cuda")
+
+
+# ----------------------------------------------------------------------- the step's device state (resolve, advance)
+def state_case(seed: int, history: bool, ring: bool):
+    """Step buffers of 6 rows (4 live requests in distinct slots, two of them a step ahead of the host; 2 padding
+    rows on the dummy slot) and a device state of 9 slots with an 8-column history and a 24-token ring."""
+    import types
+
+    from dscale_runtime.runner import DeviceState, StepBuffers
+
+    gen = torch.Generator().manual_seed(seed)
+    buf = StepBuffers(6, 3, 8, 16, torch.device("cpu"))
+    state = DeviceState(8, 8, torch.device("cpu"), with_history=history, token_window=24 if ring else 0)
+    state.anchor.copy_(torch.randint(0, 90, (9,), generator=gen))
+    state.ctx.copy_(torch.randint(0, 300, (9,), generator=gen))
+    if history:
+        state.history.copy_(torch.randint(0, 9, (9, 8), generator=gen).float())
+    if ring:
+        state.tokens.copy_(torch.randint(0, 90, (9, 24), generator=gen))
+    buf.anchor.copy_(torch.randint(0, 90, (6,), generator=gen))
+    buf.ctx.copy_(torch.randint(0, 300, (6,), generator=gen))
+    buf.live.copy_(torch.tensor([1, 1, 1, 1, 0, 0]))
+    buf.slot.copy_(torch.tensor([5, 2, 7, 0, state.dummy, state.dummy]))
+    buf.host.copy_(torch.tensor([1, 0, 1, 0, 1, 1]))
+    buf.context.copy_(torch.randint(0, 9, (6, 8), generator=gen).float())
+    step = types.SimpleNamespace(buf=buf, runner=types.SimpleNamespace(state=state, pack_backend="ref"))
+    block = torch.randint(0, 90, (6, W), generator=gen)
+    accepted = torch.tensor([0, 3, W - 1, 7, 2, 0])
+    result = torch.stack([accepted, torch.randint(0, 90, (6,), generator=gen)], 1)  # NOTE: strided columns
+    return step, block, result
+
+
+@needs_triton
+@pytest.mark.parametrize("history,ring", [(True, True), (False, True), (True, False)])
+def test_triton_resolve_and_advance_equal_the_reference(interpreter, history, ring):
+    """The step's device-state reads (`resolve`) and writes (`advance`) in one launch each equal the torch
+    reference on every request's slot (the dummy row takes what padding and unaccepted slots write, in both)."""
+    from dscale_runtime.runner import BucketStep
+
+    runs = []
+    for backend in ("ref", "triton"):
+        step, block, result = state_case(3, history, ring)
+        step.runner.pack_backend = backend
+        BucketStep.resolve(step)
+        BucketStep.advance(step, result[:, 0], result[:, 1], block)
+        buf, state = step.buf, step.runner.state
+        runs.append([buf.anchor.clone(), buf.ctx.clone(), buf.context.clone(), state.anchor[:-1].clone(),
+                     state.ctx[:-1].clone()] + ([state.history[:-1].clone()] if history else [])
+                    + ([state.tokens[:-1].clone()] if ring else []))
+    for want, got in zip(*runs):
+        assert torch.equal(got, want)
+    assert not torch.equal(runs[0][0], state_case(3, history, ring)[0].buf.anchor)  # NOTE: rows ahead changed

@@ -66,9 +66,10 @@ class KernelChoice:
     features: str = "ref"
     """The predictor's confidence features over the drafter logits: 'ref' or 'triton'."""
     decision: str = "ref"
-    """DScale's decision around the predictor: the v3 agreement columns and the allocation with the flat pack,
-    'ref' (the torch definitions, about a hundred small launches in a captured step) or 'triton'
-    (`kernels/triton_agreement.py`, `kernels/triton_pack.py`: three launches, the same columns and lengths)."""
+    """DScale's decision around the predictor and the step's device state: the v3 agreement columns, the allocation
+    with the flat pack, the state's reads and writes (`resolve`, `advance`). 'ref': the torch definitions, about 150
+    small launches in a captured DScale step; 'triton' (`kernels/triton_agreement.py`, `triton_pack.py`,
+    `triton_state.py`): five launches, the same values."""
 
     def __post_init__(self) -> None:
         for option in ("attention", "fused", "features", "decision"):
