@@ -47,7 +47,8 @@ def _resolve_kernel(anchor_ptr, ctx_ptr, context_ptr, host_ptr, slot_ptr, live_p
 @triton.jit
 def _advance_kernel(accepted_ptr, successor_ptr, block_ptr, slot_ptr, ctx_ptr, context_ptr, state_anchor_ptr,
                     state_ctx_ptr, history_ptr, ring_ptr, accepted_stride, successor_stride, block_stride,
-                    context_stride, history_stride, ring_stride, dummy, W: tl.constexpr, WB: tl.constexpr, R: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
+                    context_stride, history_stride, ring_stride, dummy, W: tl.constexpr, WB: tl.constexpr,
+                    R: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
                     HISTORY: tl.constexpr, RING: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i)
@@ -98,7 +99,8 @@ def advance_triton(accepted, successor, block, slot, ctx, context, state_anchor,
     assert block.stride(1) == 1 and context.stride(1) == 1
     _advance_kernel[(n,)](accepted, successor, block, slot, ctx, context, state_anchor, state_ctx,
                           history if history is not None else context, ring if ring is not None else block,
-                          accepted.stride(0), successor.stride(0), block.stride(0), context.stride(0), history.stride(0) if history is not None else 0,
+                          accepted.stride(0), successor.stride(0), block.stride(0), context.stride(0),
+                          history.stride(0) if history is not None else 0,
                           ring.stride(0) if ring is not None else 0, dummy, W=w, WB=triton.next_power_of_2(w),
                           R=ring.shape[1] if ring is not None else 1, C=c, CB=triton.next_power_of_2(max(c, 2)),
                           HISTORY=history is not None, RING=ring is not None, num_warps=1)
