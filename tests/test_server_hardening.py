@@ -343,7 +343,13 @@ def test_hostile_request_templates_are_bounded_and_health_stays_fast(trusting_se
     thread.join()
     assert time.perf_counter() - start < 5.0
     check_error(result["response"], 400, HOSTILE[template], "messages")
-    assert max(health) < 0.5, f"a health check waited {max(health):.2f} s on the template"
+    # NOTE: a loop blocked by the render makes the checks wait out the render (up to its 0.5 s budget), most of them
+    # or the only one; a loaded 2-core machine (server, client and render threads in one process under the GIL)
+    # makes single checks slow too (0.55 s seen once in CI), so the median must stay short and no check may take
+    # longer than the whole budget and then some
+    median = sorted(health)[len(health) // 2]
+    assert median < 0.25 and max(health) < 1.0, f"health checks waited {median:.2f} s (median), " \
+        f"{max(health):.2f} s (max) on the template"
     assert_still_answers(trusting_server, tiny_reference, key="unused", model=NAME)
 
 
