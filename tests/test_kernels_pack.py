@@ -83,7 +83,7 @@ def test_cuda_allocation_and_pack_equal_the_reference():
 
 
 # ----------------------------------------------------------------------- the step's device state (resolve, advance)
-def state_case(seed: int, history: bool, ring: bool):
+def state_case(seed: int, history: bool, ring: bool, device: str = "cpu"):
     """Step buffers of 6 rows (4 live requests in distinct slots, two of them a step ahead of the host; 2 padding
     rows on the dummy slot) and a device state of 9 slots with an 8-column history and a 24-token ring."""
     import types
@@ -91,8 +91,8 @@ def state_case(seed: int, history: bool, ring: bool):
     from dscale_runtime.runner import DeviceState, StepBuffers
 
     gen = torch.Generator().manual_seed(seed)
-    buf = StepBuffers(6, 3, 8, 16, torch.device("cpu"))
-    state = DeviceState(8, 8, torch.device("cpu"), with_history=history, token_window=24 if ring else 0)
+    buf = StepBuffers(6, 3, 8, 16, torch.device(device))
+    state = DeviceState(8, 8, torch.device(device), with_history=history, token_window=24 if ring else 0)
     state.anchor.copy_(torch.randint(0, 90, (9,), generator=gen))
     state.ctx.copy_(torch.randint(0, 300, (9,), generator=gen))
     if history:
@@ -106,22 +106,18 @@ def state_case(seed: int, history: bool, ring: bool):
     buf.host.copy_(torch.tensor([1, 0, 1, 0, 1, 1]))
     buf.context.copy_(torch.randint(0, 9, (6, 8), generator=gen).float())
     step = types.SimpleNamespace(buf=buf, runner=types.SimpleNamespace(state=state, pack_backend="ref"))
-    block = torch.randint(0, 90, (6, W), generator=gen)
+    block = torch.randint(0, 90, (6, W), generator=gen).to(device)
     accepted = torch.tensor([0, 3, W - 1, 7, 2, 0])
-    result = torch.stack([accepted, torch.randint(0, 90, (6,), generator=gen)], 1)  # NOTE: strided columns
+    result = torch.stack([accepted, torch.randint(0, 90, (6,), generator=gen)], 1).to(device)  # NOTE: strided columns
     return step, block, result
 
 
-@needs_triton
-@pytest.mark.parametrize("history,ring", [(True, True), (False, True), (True, False)])
-def test_triton_resolve_and_advance_equal_the_reference(interpreter, history, ring):
-    """The step's device-state reads (`resolve`) and writes (`advance`) in one launch each equal the torch
-    reference on every request's slot (the dummy row takes what padding and unaccepted slots write, in both)."""
+def resolve_and_advance(history: bool, ring: bool, device: str = "cpu") -> None:
     from dscale_runtime.runner import BucketStep
 
     runs = []
     for backend in ("ref", "triton"):
-        step, block, result = state_case(3, history, ring)
+        step, block, result = state_case(3, history, ring, device)
         step.runner.pack_backend = backend
         BucketStep.resolve(step)
         BucketStep.advance(step, result[:, 0], result[:, 1], block)
@@ -131,4 +127,19 @@ def test_triton_resolve_and_advance_equal_the_reference(interpreter, history, ri
                     + ([state.tokens[:-1].clone()] if ring else []))
     for want, got in zip(*runs):
         assert torch.equal(got, want)
-    assert not torch.equal(runs[0][0], state_case(3, history, ring)[0].buf.anchor)  # NOTE: rows ahead changed
+    assert not torch.equal(runs[0][0], state_case(3, history, ring, device)[0].buf.anchor)  # NOTE: rows ahead moved
+
+
+@needs_triton
+@pytest.mark.parametrize("history,ring", [(True, True), (False, True), (True, False)])
+def test_triton_resolve_and_advance_equal_the_reference(interpreter, history, ring):
+    """The step's device-state reads (`resolve`) and writes (`advance`) in one launch each equal the torch
+    reference on every request's slot (the dummy row takes what padding and unaccepted slots write, in both)."""
+    resolve_and_advance(history, ring)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_resolve_and_advance_equal_the_reference():
+    for history, ring in ((True, True), (False, True), (True, False)):
+        resolve_and_advance(history, ring, "cuda")
