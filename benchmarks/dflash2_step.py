@@ -114,7 +114,7 @@ def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs:
     use_drafter(bench, drafter, name)
     runner = bench.runner(mode.removesuffix("-k"), ratio, graphs, [n])
     if mode.endswith("-k"):
-        runner.agreement_backend = runner.pack_backend = "triton"
+        runner.decision_backend = "triton"
     mode = mode.removesuffix("-k")
     batch, kind = bench.batch(n, sampling), step_kind(mode, sampling, bench.sampled_rule)
     out = batch.run(runner, kind)
@@ -268,8 +268,7 @@ def main(argv=None) -> dict:
     with benchmark_settings(args.device, args.tiny):
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         bench = Bench(SHAPES[args.shape], args.device, dtype, max(args.ns), args.context)
-        if args.decision_kernels:
-            MODES.append("dscale-k")
+        MODES[:] = ["dflash", "dscale"] + (["dscale-k"] if args.decision_kernels else [])
         drafters = {"dflash1": bench.drafter, "dflash2": build_dflash2(bench, args)}
         CHUNKS["dflash2"] = drafters["dflash2"].candidate_chunks  # NOTE: the drafter's default (`candidate_chunks`)
         if args.conv_kernel == "tile":  # NOTE: the same module, the other convolution kernel

@@ -331,27 +331,24 @@ class BucketStep:
         conditionals = conditional_scores(scores)  # [B, W-1] the raw map inputs, returned to the host's watch
         if r.calibration_knots is not None:  # NOTE: the live map, a fixed-address tensor the host rewrites
             scores = calibrated_scores(conditionals, r.calibration_knots)
-        if r.pack_backend == "triton":
-            # NOTE: the allocation and the flat pack with its metadata in two launches (the reference's ~70)
+        if r.decision_backend == "triton":
+            # NOTE: the allocation and the flat pack with its metadata columns in two launches (the reference's ~70)
             from dscale_runtime.kernels.triton_pack import allocate_triton, flat_pack_triton
 
             lens = allocate_triton(scores.float().contiguous(), buf.live, buf.budget, w)
             fields, query_lens, query_starts, kv_lens = flat_pack_triton(lens, block, buf.ctx, buf.block_tables,
                                                                          self.num_rows, buf.page_size)
             packed = PackedBatch(**fields)
-            tables = torch.cat([buf.block_tables, torch.full_like(buf.block_tables[:1], SCRATCH_PAGE)])
-            meta = AttentionMetadata(packed.row_req, packed.row_local, packed.positions, packed.slot_mapping, kv_lens,
-                                     tables, max_q=w, max_kv=self.max_kv, causal=True, query_starts=query_starts,
-                                     query_lens=query_lens)
-            return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features, pack_unit(conditionals))
-        lens = allocate(scores, seed_lengths(scores, w), buf.live > 0, buf.budget)
-        packed = flat_pack(lens, block, buf.ctx, buf.block_tables, self.num_rows, buf.page_size)
+        else:
+            lens = allocate(scores, seed_lengths(scores, w), buf.live > 0, buf.budget)
+            packed = flat_pack(lens, block, buf.ctx, buf.block_tables, self.num_rows, buf.page_size)
+            live_rows, kv_lens = lens.sum().view(1), None
+            query_lens = torch.cat([lens, self.num_rows - live_rows])
+            query_starts = torch.cat([packed.verify_offsets, live_rows])
         # NOTE: max_q = W bounds the live requests; placeholders (num_rows > M_live) share local slots up to W - 1
         # (flat_pack), and the Triton kernels skip pseudo-request rows past W: their outputs are never read.
-        meta = packed_metadata(packed, buf.ctx, buf.block_tables, self.max_kv, w)
-        live_rows = lens.sum().view(1)
-        meta.query_lens = torch.cat([lens, self.num_rows - live_rows])
-        meta.query_starts = torch.cat([packed.verify_offsets, live_rows])
+        meta = packed_metadata(packed, buf.ctx, buf.block_tables, self.max_kv, w, kv_lens)
+        meta.query_lens, meta.query_starts = query_lens, query_starts
         return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features, pack_unit(conditionals))
 
     def _accept(self, logits: torch.Tensor, meta: AttentionMetadata, block: torch.Tensor, q: Policy | None,
@@ -419,7 +416,7 @@ class BucketStep:
         agreement = None
         if spec.num_agreement:
             ring = r.state.tokens
-            if (backend or r.agreement_backend) == "triton":
+            if (backend or r.decision_backend) == "triton":
                 from dscale_runtime.kernels.triton_agreement import agreement_columns_triton
 
                 # NOTE: one launch from the ring (the reference's ~50; exactly its columns): block[:, 0] = the anchor
@@ -444,7 +441,7 @@ class BucketStep:
         """Rows whose `host` flag is 0 take anchor, ctx and context from the device state (the results of a step
         the host has not read yet); the others keep what the host staged."""
         buf, state = self.buf, self.runner.state
-        if self.runner.pack_backend == "triton":  # NOTE: one launch (kernels/triton_state.py)
+        if self.runner.decision_backend == "triton":  # NOTE: one launch (kernels/triton_state.py)
             from dscale_runtime.kernels.triton_state import resolve_triton
 
             resolve_triton(buf.anchor, buf.ctx, buf.context, buf.host, buf.slot, buf.live, state.anchor, state.ctx,
@@ -463,7 +460,7 @@ class BucketStep:
         """Write each request's next state (anchor = successor, ctx + accepted + 1, one more history entry, and
         the anchor and accepted drafts of `block` [B, W] into the token ring)."""
         buf, state = self.buf, self.runner.state
-        if self.runner.pack_backend == "triton":  # NOTE: one launch (kernels/triton_state.py)
+        if self.runner.decision_backend == "triton":  # NOTE: one launch (kernels/triton_state.py)
             from dscale_runtime.kernels.triton_state import advance_triton
 
             advance_triton(accepted, successor, block, buf.slot, buf.ctx, buf.context, state.anchor, state.ctx,
@@ -574,10 +571,10 @@ class StepRunner:
         # DFlash 2's features read K selector scores per slot instead of V logits: the same two launches (one
         # chunk per row) where the reference takes about a dozen small ones
         self.features_backend = drafter.kernels.features if drafter is not None else "ref"
-        # DScale's decision (KernelChoice.decision): the v3 agreement columns ('triton': one launch), and the
-        # allocation with the flat pack and the state's resolve / advance ('triton': one launch each); attributes,
-        # so a test or benchmark may set them before the steps are built
-        self.agreement_backend = self.pack_backend = drafter.kernels.decision if drafter is not None else "ref"
+        # DScale's decision and the step's device state (KernelChoice.decision): the v3 agreement columns, the
+        # allocation, the flat pack, resolve and advance ('triton': one launch each); an attribute, so a test or
+        # benchmark may set it before the steps are built
+        self.decision_backend = drafter.kernels.decision if drafter is not None else "ref"
         self.sampling_backend = target.kernels.fused  # the sampler's kernels: chunk sums, draws, inverse CDF
         self.device = torch.device(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)

@@ -351,7 +351,7 @@ def test_agreement_features_follow_each_request_through_chunks_cache_and_preempt
     assert Engine.from_pretrained(*pair, config=cfg).runner.token_ring == 0  # untraced DFlash: no ring kept
     engine = Engine.from_pretrained(*pair, config=cfg, trace_features=True)
     # NOTE: read per step (eager CPU steps); 'triton' also writes the ring through the state kernel
-    engine.runner.agreement_backend = engine.runner.pack_backend = agreement
+    engine.runner.decision_backend = agreement
     spec = engine.feature_spec
     assert spec.num_agreement and engine.runner.token_ring == spec.agreement_window
     traces, rings = [], []

@@ -138,7 +138,7 @@ def test_dscale_decisions_through_the_triton_kernels_equal_the_reference(pair, p
                                    budget_ratio=ratio, keep_history=True,
                                    continuations={str(i): o.token_ids for i, o in enumerate(continuations)})
             assert engine.feature_spec.num_agreement
-            engine.runner.pack_backend = engine.runner.agreement_backend = backend  # NOTE: read per eager step
+            engine.runner.decision_backend = backend  # NOTE: read per eager step
             assert_same(engine.generate(prompts, params), want)
             runs.append([step.verify_lens for step in engine.counters.history])
     assert runs[:2] == runs[2:]

@@ -105,7 +105,7 @@ def state_case(seed: int, history: bool, ring: bool, device: str = "cpu"):
     buf.slot.copy_(torch.tensor([5, 2, 7, 0, state.dummy, state.dummy]))
     buf.host.copy_(torch.tensor([1, 0, 1, 0, 1, 1]))
     buf.context.copy_(torch.randint(0, 9, (6, 8), generator=gen).float())
-    step = types.SimpleNamespace(buf=buf, runner=types.SimpleNamespace(state=state, pack_backend="ref"))
+    step = types.SimpleNamespace(buf=buf, runner=types.SimpleNamespace(state=state, decision_backend="ref"))
     block = torch.randint(0, 90, (6, W), generator=gen).to(device)
     accepted = torch.tensor([0, 3, W - 1, 7, 2, 0])
     result = torch.stack([accepted, torch.randint(0, 90, (6,), generator=gen)], 1).to(device)  # NOTE: strided columns
@@ -118,7 +118,7 @@ def resolve_and_advance(history: bool, ring: bool, device: str = "cpu") -> None:
     runs = []
     for backend in ("ref", "triton"):
         step, block, result = state_case(3, history, ring, device)
-        step.runner.pack_backend = backend
+        step.runner.decision_backend = backend
         BucketStep.resolve(step)
         BucketStep.advance(step, result[:, 0], result[:, 1], block)
         buf, state = step.buf, step.runner.state

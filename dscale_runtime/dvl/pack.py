@@ -58,15 +58,18 @@ def flat_pack(
 
 
 def packed_metadata(packed: PackedBatch, ctx_lens: torch.Tensor, block_tables: torch.Tensor, max_kv: int,
-                    max_q: int) -> AttentionMetadata:
+                    max_q: int, kv_lens: torch.Tensor | None = None) -> AttentionMetadata:
     """Causal attention metadata over the packed rows: N requests plus one pseudo request for placeholders.
 
     `max_q` (>= every k_i and the placeholder count) and `max_kv` (>= every ctx_i + k_i) are host-side bounds,
     so building this needs no device-to-host read of the chosen lengths: a captured step passes its static
-    width, an eager one the live context's (`StepBuffers.kv_width`; the portable path's cost follows it)."""
+    width, an eager one the live context's (`StepBuffers.kv_width`; the portable path's cost follows it).
+    `kv_lens` [N + 1]: the keys of each request and the pseudo request's one, where a kernel wrote them already
+    (`kernels/triton_pack.py`)."""
     n = ctx_lens.shape[0]
     tables = torch.cat([block_tables, torch.full_like(block_tables[:1], SCRATCH_PAGE)])
-    kv_lens = torch.cat([ctx_lens + packed.verify_lens, torch.ones_like(ctx_lens[:1])])
+    if kv_lens is None:
+        kv_lens = torch.cat([ctx_lens + packed.verify_lens, torch.ones_like(ctx_lens[:1])])
     assert tables.shape[0] == n + 1
     return AttentionMetadata(row_req=packed.row_req, row_local=packed.row_local, positions=packed.positions,
                              slot_mapping=packed.slot_mapping, kv_lens=kv_lens, block_tables=tables, max_q=max_q,

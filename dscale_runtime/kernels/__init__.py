@@ -99,6 +99,23 @@ def paged_attention(
                                   tile_rows=tile_rows, out=out)
 
 
+def compile_for_gpu(kernel, constexprs: dict, pointers: dict[str, str], num_warps: int, arch: int = 90,
+                    **options):
+    """`kernel` (a triton.jit function) compiled for an NVIDIA target without a GPU (Triton's bundled ptxas), as
+    the kernels' `compile_offline` checks do: the arguments in `constexprs` as constants, those ending in `_ptr` of
+    the pointer type `pointers` names (its '*' entry for the others), the rest i32. Needs triton imported without
+    TRITON_INTERPRET."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: "constexpr" if name in constexprs else
+                 pointers.get(name, pointers.get("*")) if name.endswith("_ptr") else "i32"
+                 for name in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, **options})
+
+
 def stack_usage(compiled) -> str:
     """'STACK:<bytes>' of a kernel compiled offline (`compile_offline` of a Triton module), read with the
     cuobjdump that Triton bundles; 'STACK:?' where that tool is missing. STACK:0 means no register spills."""

@@ -11,8 +11,8 @@ same AND over the suffixes ending at the anchor, keeps the latest end of the lon
 the tokens after it with the drafts. Every value is an integer count or flag: the columns equal the reference's
 exactly.
 
-The grid depends on shapes only: safe to capture in a CUDA graph. This module imports triton at import time: import
-it only through `kernels.features.agreement_columns`, which does so lazily. With TRITON_INTERPRET=1 set before
+The grid depends on shapes only: safe to capture in a CUDA graph. This module imports triton at import time: the
+runner imports it lazily, where `KernelChoice.decision` is 'triton'. With TRITON_INTERPRET=1 set before
 triton is imported, the kernel runs in Triton's interpreter (CPU tests).
 """
 
@@ -52,6 +52,10 @@ def _agreement_kernel(ring_ptr, slot_ptr, ctx_ptr, block_ptr, out_ptr, ring_stri
     # spans ending at draft j: q index m = back + 1 + j - i (m <= back: the window's entry R - 1 - back + m)
     run = tl.zeros([PB, RB], dtype=tl.int32) + 1
     length = tl.zeros([PB], dtype=tl.int32)
+    # prompt lookup, on the same shifted windows: the latest end e < R - 1 of the longest suffix (1..LOOKUP tokens
+    # ending at the anchor) that recurs
+    suffix = tl.zeros([RB], dtype=tl.int32) + 1
+    latest = ctx * 0 - 1
     for i in tl.static_range(NGRAM):
         w, w_ok = _window(ring_ptr, row, ctx, anchor, p - i, R)
         m = back + 1 + j - i
@@ -63,15 +67,11 @@ def _agreement_kernel(ring_ptr, slot_ptr, ctx_ptr, block_ptr, out_ptr, ring_stri
         e = (w[None, :] == q[:, None]) & w_ok[None, :] & q_ok[:, None]
         run = run * e.to(tl.int32)
         length += tl.max(run, axis=1)
-    # prompt lookup: the latest end e < R - 1 of the longest suffix (1..LOOKUP tokens ending at the anchor) that recurs
-    suffix = tl.zeros([RB], dtype=tl.int32) + 1
-    latest = ctx * 0 - 1
-    for i in tl.static_range(LOOKUP):
-        w, w_ok = _window(ring_ptr, row, ctx, anchor, p - i, R)
-        s, s_ok = _window(ring_ptr, row, ctx, anchor, tl.zeros([RB], dtype=tl.int32) + (R - 1 - i), R)
-        suffix = suffix * ((w == s) & w_ok & s_ok).to(tl.int32)
-        found = tl.max(tl.where((suffix > 0) & (p < R - 1), p, -1), axis=0)
-        latest = tl.where(found >= 0, found, latest)
+        if i < LOOKUP:
+            s, s_ok = _window(ring_ptr, row, ctx, anchor, tl.zeros([RB], dtype=tl.int32) + (R - 1 - i), R)
+            suffix = suffix * ((w == s) & w_ok & s_ok).to(tl.int32)
+            found = tl.max(tl.where((suffix > 0) & (p < R - 1), p, -1), axis=0)
+            latest = tl.where(found >= 0, found, latest)
     after = latest + 1 + j
     follows, _ = _window(ring_ptr, row, ctx, anchor, tl.minimum(after, R - 1), R)
     equal = (latest >= 0) & (after <= R - 1) & (follows == drafts) & live
@@ -108,16 +108,11 @@ def agreement_columns_triton(ring: torch.Tensor, slots: torch.Tensor, ctx: torch
 
 
 def compile_offline(window: int = 128, width: int = 16, ngram: int = 8, lookup: int = 4, arch: int = 90):
-    """The kernel compiled for an NVIDIA target without a GPU (Triton's bundled ptxas): a CI check of the compiled
+    """The kernel compiled for an NVIDIA target without a GPU (`kernels.compile_for_gpu`): a CI check of the compiled
     path, which the interpreter does not make. Needs triton imported without TRITON_INTERPRET."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from dscale_runtime.kernels import compile_for_gpu
 
     assert not interpreted(), "compile_offline needs triton imported without TRITON_INTERPRET"
     consts = {"P": width - 1, "PB": triton.next_power_of_2(width - 1), "R": window,
               "RB": triton.next_power_of_2(window), "NGRAM": ngram, "LOOKUP": lookup}
-    pointers = {"ring_ptr": "*i64", "slot_ptr": "*i64", "ctx_ptr": "*i64", "block_ptr": "*i64", "out_ptr": "*fp32"}
-    signature = {name: "constexpr" if name in consts else pointers.get(name, "i32")
-                 for name in _agreement_kernel.arg_names}
-    return triton.compile(ASTSource(_agreement_kernel, signature, constexprs=consts),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    return compile_for_gpu(_agreement_kernel, consts, {"*": "*i64", "out_ptr": "*fp32"}, 4, arch)

@@ -161,28 +161,18 @@ def slice_max_triton(logits: torch.Tensor, chunks: int) -> torch.Tensor:
 
 def compile_offline(dtype: torch.dtype, d: int = 4096, taps: int = 4, group: int = 128, slice_width: int = 128,
                     arch: int = 90) -> list:
-    """The kernels (both convolutions, the slice maxima) compiled for an NVIDIA target without a GPU (Triton's
-    bundled ptxas), with the wrappers' launch options: a CI check of the compiled path, which Triton's interpreter
-    does not make (it runs code the compiler refuses). Needs triton imported without TRITON_INTERPRET."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """The kernels (both convolutions, the slice maxima) compiled for an NVIDIA target without a GPU
+    (`kernels.compile_for_gpu`), with the wrappers' launch options: a CI check of the compiled path, which Triton's
+    interpreter does not make (it runs code the compiler refuses). Needs triton imported without TRITON_INTERPRET."""
+    from dscale_runtime.kernels import compile_for_gpu
 
     assert not interpreted(), "compile_offline needs triton imported without TRITON_INTERPRET"
-    elem = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-    target = GPUTarget("cuda", arch, 32)
+    elem = {"*": {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]}
     conv = {"TAPS": taps, "GROUP": group, "BLOCK": min(BLOCK_COLUMNS, triton.next_power_of_2(d)), "DTYPE": _TL[dtype]}
-    conv_sig = {n: "constexpr" if n in conv else elem if n.endswith("_ptr") else "i32"
-                for n in _block_conv_kernel.arg_names}
     tile = {"TAPS": taps, "GROUP": group, "SLOTS": 16, "COLS": min(TILE_COLUMNS, triton.next_power_of_2(d)),
             "DTYPE": _TL[dtype]}
-    tile_sig = {n: "constexpr" if n in tile else elem if n.endswith("_ptr") else "i32"
-                for n in _block_conv_tile_kernel.arg_names}
     maxima = {"SLICES": SLICES_PER_PROGRAM, "WIDTH": triton.next_power_of_2(slice_width)}
-    maxima_sig = {n: "constexpr" if n in maxima else elem if n.endswith("_ptr") else "i32"
-                  for n in _slice_max_kernel.arg_names}
-    return [triton.compile(ASTSource(_block_conv_kernel, conv_sig, constexprs=conv), target=target,
-                           options={"num_warps": 4, **_LAUNCH}),
-            triton.compile(ASTSource(_block_conv_tile_kernel, tile_sig, constexprs=tile), target=target,
-                           options={"num_warps": max(1, min(8, 16 * tile["COLS"] // 512)), **_LAUNCH}),
-            triton.compile(ASTSource(_slice_max_kernel, maxima_sig, constexprs=maxima), target=target,
-                           options={"num_warps": 4})]
+    return [compile_for_gpu(_block_conv_kernel, conv, elem, 4, arch, **_LAUNCH),
+            compile_for_gpu(_block_conv_tile_kernel, tile, elem, max(1, min(8, 16 * tile["COLS"] // 512)), arch,
+                            **_LAUNCH),
+            compile_for_gpu(_slice_max_kernel, maxima, elem, 4, arch)]

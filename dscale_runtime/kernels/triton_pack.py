@@ -9,10 +9,11 @@ candidate of the batch, as the reference's stable sort does (a smaller key first
 counts the chosen ones per request. Flat pack: a program per MB packed rows, each recomputing the exclusive cumsum
 of the N lengths; a row's request is the number of ends at or below it (`searchsorted(..., right=True)`).
 
-Every output is an integer (or the seeds' float sum, added in column order): the kernels equal the reference
-exactly, except that a seed can differ where a row's score sum lies within rounding of a half-integer (torch may add
-the P scores in another order). Grids depend on shapes only: safe to capture in a CUDA graph. Import this module
-only where triton is installed (`StepRunner.decide` does so lazily); TRITON_INTERPRET=1 runs it on CPU tensors.
+Every output is an integer: the kernels equal the reference exactly, except that a seed can differ where a row's
+fp32 score sum lies within rounding of a half-integer (the kernel and torch may add the P scores in another order;
+any verify lengths are lossless, only the choice would differ). Grids depend on shapes only: safe to capture in a
+CUDA graph. Import this module only where triton is installed (`StepRunner.decide` does so lazily);
+TRITON_INTERPRET=1 runs it on CPU tensors.
 """
 
 from __future__ import annotations
@@ -166,25 +167,15 @@ def flat_pack_triton(lens: torch.Tensor, block: torch.Tensor, ctx: torch.Tensor,
 
 
 def compile_offline(batch: int = 32, block_size: int = 16, arch: int = 90) -> list:
-    """Both kernels compiled for an NVIDIA target without a GPU (Triton's bundled ptxas): a CI check of the
+    """Both kernels compiled for an NVIDIA target without a GPU (`kernels.compile_for_gpu`): a CI check of the
     compiled path, which the interpreter does not make. Needs triton imported without TRITON_INTERPRET."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from dscale_runtime.kernels import compile_for_gpu
 
     assert not interpreted(), "compile_offline needs triton imported without TRITON_INTERPRET"
-    target = GPUTarget("cuda", arch, 32)
     p = block_size - 1
     alloc = {"P": p, "PB": triton.next_power_of_2(p), "W": block_size, "RB": ALLOCATE_ROWS, "CB": CHUNK_ROWS,
              "CHUNKS": triton.cdiv(batch, CHUNK_ROWS)}
-    alloc_types = {"scores_ptr": "*fp32", "live_ptr": "*i64", "budget_ptr": "*i64", "lens_ptr": "*i64"}
     nb = triton.next_power_of_2(batch + 1)
     pack = {"W": block_size, "NB": nb, "MB": pack_rows(nb)}
-    out = []
-    for kernel, consts, types, warps in ((_allocate_kernel, alloc, alloc_types, 4),
-                                         (_flat_pack_kernel, pack, {}, pack_warps(nb))):
-        signature = {name: "constexpr" if name in consts else types.get(name, "*i64" if name.endswith("_ptr")
-                                                                         else "i32")
-                     for name in kernel.arg_names}
-        out.append(triton.compile(ASTSource(kernel, signature, constexprs=consts), target=target,
-                                  options={"num_warps": warps}))
-    return out
+    return [compile_for_gpu(_allocate_kernel, alloc, {"*": "*i64", "scores_ptr": "*fp32"}, 4, arch),
+            compile_for_gpu(_flat_pack_kernel, pack, {"*": "*i64"}, pack_warps(nb), arch)]

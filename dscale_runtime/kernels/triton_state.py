@@ -108,23 +108,16 @@ def advance_triton(accepted, successor, block, slot, ctx, context, state_anchor,
 
 def compile_offline(batch: int = 32, block_size: int = 16, window: int = 128, num_context: int = 8,
                     arch: int = 90) -> list:
-    """Both kernels (with history and ring) compiled for an NVIDIA target without a GPU (Triton's bundled ptxas): a
-    CI check of the compiled path, which the interpreter does not make. Needs triton imported without
+    """Both kernels (with history and ring) compiled for an NVIDIA target without a GPU (`kernels.compile_for_gpu`):
+    a CI check of the compiled path, which the interpreter does not make. Needs triton imported without
     TRITON_INTERPRET."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from dscale_runtime.kernels import compile_for_gpu
 
     assert not interpreted(), "compile_offline needs triton imported without TRITON_INTERPRET"
-    target = GPUTarget("cuda", arch, 32)
-    floats = ("context_ptr", "history_ptr")
+    pointers = {"*": "*i64", "context_ptr": "*fp32", "history_ptr": "*fp32"}
     cb = triton.next_power_of_2(max(num_context, 2))
     resolve = {"C": num_context, "CB": cb, "NB": triton.next_power_of_2(batch), "HISTORY": True}
     advance = {"W": block_size, "WB": triton.next_power_of_2(block_size), "R": window, "C": num_context, "CB": cb,
                "HISTORY": True, "RING": True}
-    out = []
-    for kernel, consts in ((_resolve_kernel, resolve), (_advance_kernel, advance)):
-        signature = {name: "constexpr" if name in consts else "*fp32" if name in floats else
-                     "*i64" if name.endswith("_ptr") else "i32" for name in kernel.arg_names}
-        out.append(triton.compile(ASTSource(kernel, signature, constexprs=consts), target=target,
-                                  options={"num_warps": 1}))
-    return out
+    return [compile_for_gpu(_resolve_kernel, resolve, pointers, 1, arch),
+            compile_for_gpu(_advance_kernel, advance, pointers, 1, arch)]
