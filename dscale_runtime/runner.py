@@ -291,9 +291,16 @@ class BucketStep:
         if kind.mode == "target":
             return buf.anchor.view(-1, 1), None, None, None
         b, w = buf.size, self.width
-        block = torch.full((b, w), r.drafter.config.mask_token_id, dtype=torch.long, device=buf.ctx.device)
-        block[:, 0] = buf.anchor
-        meta = self.block_meta = block_metadata(buf, w, causal=False, max_kv=self.max_kv)
+        if r.decision_backend == "triton":  # NOTE: the block and its metadata in one launch (kernels/triton_step.py)
+            from dscale_runtime.kernels.triton_step import block_metadata_triton
+
+            meta, block = block_metadata_triton(buf.ctx, buf.block_tables, buf.page_size, w, False, self.max_kv,
+                                                buf.anchor, r.drafter.config.mask_token_id)
+        else:
+            block = torch.full((b, w), r.drafter.config.mask_token_id, dtype=torch.long, device=buf.ctx.device)
+            block[:, 0] = buf.anchor
+            meta = block_metadata(buf, w, causal=False, max_kv=self.max_kv)
+        self.block_meta = meta
         if r.drafter.config.dflash2 is not None:
             # DFlash 2: the selector's walk gives the drafts (greedy, or drawn from its q for sampled-draft rows),
             # its scores [B, W-1, K] stand for the logits in the features, its sparse q for the drafter's policy.
@@ -325,21 +332,25 @@ class BucketStep:
         if kind.mode == "dscale" or kind.features:
             features = self.acceptance_features(block, logits, hidden)
         if kind.mode != "dscale":
-            return Decision(torch.full_like(buf.ctx, w), torch.arange(b, device=block.device) * w, block.reshape(-1),
-                            self.full_width_metadata(), features)
+            meta = self.full_width_metadata()  # NOTE: its query bounds are the full-width lens and offsets
+            return Decision(meta.query_lens, meta.query_starts, block.reshape(-1), meta, features)
         scores = r.predictor.scores(features)  # [B, W-1]
-        conditionals = conditional_scores(scores)  # [B, W-1] the raw map inputs, returned to the host's watch
-        if r.calibration_knots is not None:  # NOTE: the live map, a fixed-address tensor the host rewrites
-            scores = calibrated_scores(conditionals, r.calibration_knots)
         if r.decision_backend == "triton":
-            # NOTE: the allocation and the flat pack with its metadata columns in two launches (the reference's ~70)
+            # NOTE: the raw conditionals packed for the host and the calibrated scores in one launch (the reference's
+            # ~30), then the allocation and the flat pack with its metadata columns in two (the reference's ~70)
             from dscale_runtime.kernels.triton_pack import allocate_triton, flat_pack_triton
+            from dscale_runtime.kernels.triton_step import conditionals_triton
 
+            packed_conditionals, scores = conditionals_triton(scores.contiguous(), r.calibration_knots)
             lens = allocate_triton(scores.float().contiguous(), buf.live, buf.budget, w)
             fields, query_lens, query_starts, kv_lens = flat_pack_triton(lens, block, buf.ctx, buf.block_tables,
                                                                          self.num_rows, buf.page_size)
             packed = PackedBatch(**fields)
         else:
+            conditionals = conditional_scores(scores)  # [B, W-1] the raw map inputs, returned to the host's watch
+            packed_conditionals = pack_unit(conditionals)
+            if r.calibration_knots is not None:  # NOTE: the live map, a fixed-address tensor the host rewrites
+                scores = calibrated_scores(conditionals, r.calibration_knots)
             lens = allocate(scores, seed_lengths(scores, w), buf.live > 0, buf.budget)
             packed = flat_pack(lens, block, buf.ctx, buf.block_tables, self.num_rows, buf.page_size)
             live_rows, kv_lens = lens.sum().view(1), None
@@ -349,11 +360,14 @@ class BucketStep:
         # (flat_pack), and the Triton kernels skip pseudo-request rows past W: their outputs are never read.
         meta = packed_metadata(packed, buf.ctx, buf.block_tables, self.max_kv, w, kv_lens)
         meta.query_lens, meta.query_starts = query_lens, query_starts
-        return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features, pack_unit(conditionals))
+        return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features, packed_conditionals)
 
     def _accept(self, logits: torch.Tensor, meta: AttentionMetadata, block: torch.Tensor, q: Policy | None,
-                lens: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accepted drafts [B] and successors [B] of one verification forward, each request by its rule."""
+                lens: torch.Tensor, offsets: torch.Tensor,
+                top1: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Accepted drafts [B] and successors [B] of one verification forward, each request by its rule, and the
+        rows' target tokens [M]. `top1` False: where no row samples its drafts, the counts are left to the
+        caller (None, None; `kernels/triton_step.accept_triton` applies the top-1 rule to the tokens)."""
         buf, kind = self.buf, self.kind
         b = buf.size
         rows = buf.sampling_rows(self.runner.sampling_backend)
@@ -361,6 +375,8 @@ class BucketStep:
         # requests (DScale's placeholders) read the last request's parameters; their tokens are never read.
         tokens, policy = target_tokens(logits, rows, meta.positions, kind.filtered, kind.sampled, index=meta.row_req,
                                        max_index=b - 1, offset=1, with_policy=kind.draft_sampling)
+        if not (top1 or kind.draft_sampling):
+            return None, None, tokens
         accepted, successor = accept_greedy(tokens, block, lens, offsets)
         if kind.draft_sampling:
             w = block.shape[1]
@@ -369,40 +385,59 @@ class BucketStep:
                                                   rows.uniforms(buf.ctx + 1, RESIDUAL), rows.backend)
             use = buf.rule == RULE_SAMPLED
             accepted, successor = torch.where(use, s_acc, accepted), torch.where(use, s_succ, successor)
-        return accepted, successor
+        return accepted, successor, tokens
 
     def verify(self, block: torch.Tensor, q: Policy | None, decision: Decision) -> torch.Tensor:
         """Target forward over the M rows, acceptance, drafter-cache injection -> the result [B, 4 + W]."""
         r, buf, kind = self.runner, self.buf, self.kind
         b, w = buf.size, self.width
-        full_accepted = torch.full_like(buf.ctx, -1)
+        full_accepted = None  # NOTE: -1 in the result unless measured
         if kind.retention:
             # Full-width verification first, only to measure what DVL keeps: the same draws decide it, and the
             # packed pass below rewrites the K/V it shares with it.
             meta = self.full_width_metadata()
             logits, _ = r.target(block.reshape(-1), meta, r.target_caches, None, (), float_logits=False)
-            full_accepted = self._accept(logits, meta, block, q, torch.full_like(buf.ctx, w),
-                                         torch.arange(b, device=block.device) * w)[0]
+            full_accepted = self._accept(logits, meta, block, q, meta.query_lens, meta.query_starts)[0]
         meta, lens, offsets = decision.meta, decision.verify_lens, decision.verify_offsets
         # NOTE: a speculative runner's target-only steps feed the drafter's cache too (its next block needs them)
         logits, features = r.target(decision.token_ids, meta, r.target_caches, None, r.capture_layers,
                                     float_logits=False)
-        accepted, successor = self._accept(logits, meta, block, q, lens, offsets)
+        fused = r.decision_backend == "triton"
+        accepted, successor, tokens = self._accept(logits, meta, block, q, lens, offsets, top1=not fused)
+        if fused:
+            # NOTE: acceptance, the drafter's kept slots and the result row in one launch (the reference's ~30)
+            from dscale_runtime.kernels.triton_step import accept_triton
+
+            result, kept = accept_triton(tokens, block, lens, offsets, buf.live, meta, buf.page_size,
+                                         keep=features is not None,
+                                         given=None if accepted is None else (accepted, successor),
+                                         full_accepted=full_accepted,
+                                         extra=decision.conditionals)
+            if features is not None:
+                r.drafter.inject_context(features, meta.positions, kept, r.drafter_caches, meta.rope)
+            return result
         if features is not None:
             req = meta.row_req.clamp(max=b - 1)
             keep = (meta.row_req < b) & (meta.row_local <= accepted[req]) & (buf.live[req] > 0)
             scratch = torch.full_like(meta.slot_mapping, SCRATCH_PAGE * buf.page_size)
             r.drafter.inject_context(features, meta.positions, torch.where(keep, meta.slot_mapping, scratch),
                                      r.drafter_caches, meta.rope)
+        if full_accepted is None:
+            full_accepted = torch.full_like(buf.ctx, -1)
         parts = [torch.stack([accepted, successor, lens, full_accepted], dim=1), block]
         return torch.cat(parts + ([decision.conditionals] if decision.conditionals is not None else []), dim=1)
 
     def full_width_metadata(self) -> AttentionMetadata:
         """Causal metadata over every request's W rows: the drafter's block rows' (same positions, slots and
         lengths), causal, sharing their RoPE tables; built anew in target-only steps (W = 1)."""
-        if self.block_meta is None:
-            return block_metadata(self.buf, self.width, causal=True, max_kv=self.max_kv)
-        return dataclasses.replace(self.block_meta, causal=True)
+        if self.block_meta is not None:
+            return dataclasses.replace(self.block_meta, causal=True)
+        if self.runner.decision_backend == "triton":  # NOTE: one launch (kernels/triton_step.py)
+            from dscale_runtime.kernels.triton_step import block_metadata_triton
+
+            buf = self.buf
+            return block_metadata_triton(buf.ctx, buf.block_tables, buf.page_size, self.width, True, self.max_kv)[0]
+        return block_metadata(self.buf, self.width, causal=True, max_kv=self.max_kv)
 
     def acceptance_features(self, block: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
                             backend: str | None = None) -> torch.Tensor:
@@ -571,10 +606,11 @@ class StepRunner:
         # DFlash 2's features read K selector scores per slot instead of V logits: the same two launches (one
         # chunk per row) where the reference takes about a dozen small ones
         self.features_backend = drafter.kernels.features if drafter is not None else "ref"
-        # DScale's decision and the step's device state (KernelChoice.decision): the v3 agreement columns, the
-        # allocation, the flat pack, resolve and advance ('triton': one launch each); an attribute, so a test or
-        # benchmark may set it before the steps are built
-        self.decision_backend = drafter.kernels.decision if drafter is not None else "ref"
+        # The step's index work (KernelChoice.decision; a target-only runner takes the target's): metadata,
+        # acceptance and result rows, resolve and advance, DScale's agreement columns, conditionals, allocation and
+        # flat pack ('triton': one launch each); an attribute, so a test or benchmark may set it before the steps
+        # are built
+        self.decision_backend = (drafter if drafter is not None else target).kernels.decision
         self.sampling_backend = target.kernels.fused  # the sampler's kernels: chunk sums, draws, inverse CDF
         self.device = torch.device(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)

@@ -244,6 +244,29 @@ def test_captured_steps_over_the_demo_dflash2_drafter(mode):
     assert tokens[True] == tokens[False]
 
 
+@pytest.mark.parametrize("mode", ["target", "dflash", "dscale"])
+@pytest.mark.gpu
+@needs_cuda
+def test_captured_steps_through_the_step_kernels(mode, monkeypatch):
+    """With the step's Triton kernels (`KernelChoice.decision='triton'`: metadata, acceptance and result rows, state,
+    DScale's decision): greedy output equals captured target-only's on the reference kernels, and greedy, seeded
+    T = 1 (sampled drafts) and T = 0.7 / top_p 0.8 requests decode the same tokens with graphs on and off."""
+    prompts, greedy, want = greedy_oracle()  # NOTE: before the variable is set: the reference kernels' oracle
+    monkeypatch.setenv("DSCALE_DECISION", "triton")
+    points = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)]
+    params = [SamplingParams(temperature=points[i % 3][0], top_p=points[i % 3][1], max_tokens=greedy.max_tokens,
+                             ignore_eos=True, seed=i) for i in range(len(prompts))]
+    tokens = {}
+    for graphs in (False, True):
+        engine = demo_engine(mode, graphs)
+        assert engine.runner.decision_backend == "triton"
+        tokens[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+        assert tokens[graphs][::3] == want[::3], graphs
+        if graphs:
+            assert engine.runner.steps and all(s.call.graph is not None for s in engine.runner.steps.values())
+    assert tokens[True] == tokens[False]
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_captured_calibrated_steps_equal_eager_steps():

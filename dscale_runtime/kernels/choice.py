@@ -66,10 +66,12 @@ class KernelChoice:
     features: str = "ref"
     """The predictor's confidence features over the drafter logits: 'ref' or 'triton'."""
     decision: str = "ref"
-    """DScale's decision around the predictor and the step's device state: the v3 agreement columns, the allocation
-    with the flat pack, the state's reads and writes (`resolve`, `advance`). 'ref': the torch definitions, about 150
-    small launches in a captured DScale step; 'triton' (`kernels/triton_agreement.py`, `triton_pack.py`,
-    `triton_state.py`): five launches, the same values."""
+    """The step's own index work around the models, in every mode: the block and its attention metadata, the
+    acceptance with the drafter's kept slots and the result row, the state's reads and writes (`resolve`,
+    `advance`), and DScale's decision around the predictor (the v3 agreement columns, the conditionals and their
+    calibration, the allocation with the flat pack). 'ref': the torch definitions, about 60 small launches in a
+    captured DFlash step and 230 in a DScale one; 'triton' (`kernels/triton_step.py`, `triton_state.py`,
+    `triton_agreement.py`, `triton_pack.py`): four and eight launches, the same values."""
 
     def __post_init__(self) -> None:
         for option in ("attention", "fused", "features", "decision"):
