@@ -477,17 +477,17 @@ class Engine:
         """Prefill the running requests that still need it, in admission order, at most
         `chunked_prefill_tokens` tokens in all per step (a request's chunk goes on from its computed tokens:
         a cached prefix, earlier chunks)."""
+        waiting = [r for r in self.scheduler.running if r.prefilling]
+        if not waiting:
+            return []
         budget = self.config.chunked_prefill_tokens or None
-        decoding = sum(1 for r in self.scheduler.running if not r.prefilling)
+        decoding = len(self.scheduler.running) - len(waiting)
         if budget is not None and decoding and self.decode_ms and self.config.prefill_stall_ratio > 0:
             # NOTE: beside decoding, a chunk lasts at most stall_ratio x the decode step (measured at start-up)
-            first = next((r for r in self.scheduler.running if r.prefilling), None)
             limit = self.config.prefill_stall_ratio * self.stall_reference_ms(decoding)
-            budget = self.prefiller.budget(limit, budget, first.num_computed if first is not None else 0)
+            budget = self.prefiller.budget(limit, budget, waiting[0].num_computed)
         batch = []
-        for request in self.scheduler.running:
-            if not request.prefilling:
-                continue
+        for request in waiting:
             remaining = len(request.prefill_token_ids) - request.num_computed
             request.prefill_chunk = remaining if budget is None else min(remaining, budget)
             batch.append(request)
@@ -797,7 +797,22 @@ class Engine:
     def _commit(self, request: Request, new_tokens: list[int]) -> bool:
         """Append tokens under the stop rules; finishes the request and returns True when one fires."""
         p = request.params
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        stop_ids = request.stop_ids
+        if stop_ids is None:
+            stop_ids = request.stop_ids = frozenset(p.stop_token_ids) | frozenset(() if p.ignore_eos
+                                                                                 else self.eos_token_ids)
+        if not p.stop:  # NOTE: the rules below, token by token, without a loop per token
+            out = request.output_token_ids
+            room = min(p.max_tokens - len(out), self.config.max_model_len - request.num_tokens)
+            last = max(room, 1) - 1  # the token at which the length limit fires
+            stop = next((i for i, token in enumerate(new_tokens) if token in stop_ids), None) if stop_ids else None
+            end = min(len(new_tokens) - 1, last if stop is None else min(stop, last))
+            out.extend(new_tokens[: end + 1])
+            self.counters.generated_tokens += end + 1
+            reason = "stop" if stop is not None and stop <= last else "length" if last <= end else None
+            if reason:
+                self.scheduler.finish(request, reason)
+            return reason is not None
         reason = None
         for token in new_tokens:
             request.output_token_ids.append(token)

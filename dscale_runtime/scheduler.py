@@ -62,6 +62,9 @@ class Request:
     sampling: tuple = ()
     """(seed_lo, seed_hi, top_k, rule, temperature, top_p): the request's columns of the step buffers."""
     stats: RequestStats = field(default_factory=RequestStats)
+    stop_ids: frozenset[int] | None = None
+    """Token ids that end this request (its stop_token_ids, and the EOS ids unless ignore_eos); set by the engine at
+    its first commit."""
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -84,8 +87,9 @@ class Request:
     @property
     def prefilling(self) -> bool:
         """Admitted but not prefilled to the end yet (chunked prefill runs a prompt over several steps)."""
-        target = self.num_tokens - 1 if self.output_token_ids else len(self.prompt_token_ids)
-        return self.num_computed < target
+        out = self.output_token_ids  # NOTE: read per running request several times a step: no nested property
+        return self.num_computed < len(self.prompt_token_ids) + len(out) - 1 if out else \
+            self.num_computed < len(self.prompt_token_ids)
 
 
 class Scheduler:
@@ -113,9 +117,10 @@ class Scheduler:
         # prompt for a fresh one (its first token is drawn by the prefill), which a step may decode as soon as
         # its last chunk is in: a target-only step (lookahead 1) sized on num_tokens - 1 wrote its anchor's K/V
         # past the request's last page when the prompt filled whole pages (issue 24).
-        anchor = request.num_tokens - 1 if request.output_token_ids else request.num_tokens
+        out = request.output_token_ids
+        anchor = len(request.prompt_token_ids) + len(out) - (1 if out else 0)
         tokens = max(request.num_computed, anchor) + (self.lookahead if lookahead is None else lookahead)
-        return max(0, self.allocator.pages_for(tokens) - len(request.pages))
+        return max(0, -(-tokens // self.allocator.page_size) - len(request.pages))  # NOTE: allocator.pages_for
 
     def reserve(self, requests: list[Request], lookahead: int) -> bool:
         """Grow every request's pages to its committed tokens + `lookahead`, all or none (no preemption)."""

@@ -263,6 +263,39 @@ def test_commit_stops_inside_an_accepted_run(pair):
     assert out.text == "AB"
 
 
+def test_commit_equals_the_rules_applied_token_by_token(pair):
+    """The commit without stop strings (one pass over the new tokens) against the rules applied token by token:
+    stop ids and EOS (unless ignore_eos) before the length limits (max_tokens, max_model_len), ties included."""
+    from dscale_runtime.scheduler import Request
+
+    engine = make_engine(pair)
+    eos = sorted(engine.eos_token_ids)[0]
+    rng = random.Random(7)
+    for trial in range(400):
+        params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.3,
+                                stop_token_ids=tuple(rng.sample(range(5, 9), rng.randint(0, 2))))
+        prompt = [1] * rng.choice([2, MAX_LEN - 9, MAX_LEN - 3])
+        request = Request(str(trial), prompt, params, output_token_ids=[9] * rng.randint(0, params.max_tokens - 1))
+        new = [rng.choice([5, 6, 7, 8, 10, 11, eos]) for _ in range(rng.randint(0, 8))]
+        want, reason = list(request.output_token_ids), None  # NOTE: the oracle, token by token
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {eos})
+        for token in new:
+            want.append(token)
+            if token in stops:
+                reason = "stop"
+            elif len(want) >= params.max_tokens or len(prompt) + len(want) >= MAX_LEN:
+                reason = "length"
+            if reason:
+                break
+        engine.scheduler.running.append(request)
+        before, had = engine.counters.generated_tokens, len(request.output_token_ids)
+        assert engine._commit(request, new) == (reason is not None), trial
+        assert (request.output_token_ids, request.finish_reason) == (want, reason), trial
+        assert engine.counters.generated_tokens - before == len(want) - had, trial
+        if reason is None:
+            engine.scheduler.finish(request, "abort")
+
+
 @pytest.mark.parametrize("where", ["decode", "prefill", "commit"])
 def test_a_fault_of_one_request_aborts_it_alone(pair, monkeypatch, where):
     """A step part that raises whenever one poisoned request (marked by top_k = 77) is in its batch: that
