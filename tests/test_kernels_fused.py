@@ -577,3 +577,50 @@ def test_router_keeps_training_and_autocast_on_the_reference():
     assert torch.equal(weight.grad, ref_weight.grad)
     mixed = fused.add_rms_norm(x.bfloat16(), x.bfloat16(), torch.ones(8), 1e-6, backend="triton")[1]
     assert mixed.dtype == torch.float32  # the reference's promotion (weight fp32), not a Triton assert
+
+
+# ------------------------------------------------------------------------------------------------ RoPE's frequencies
+def uncached_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype):
+    """`rope_cos_sin`'s formula with the inverse frequencies computed anew (transformers' order)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float()
+                                / head_dim))
+    emb = torch.cat([positions.float()[:, None] * inv_freq[None, :]] * 2, dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def test_rope_frequencies_are_computed_once_per_device_and_give_the_same_tables():
+    """The inverse frequencies are kept per (head_dim, theta, device): one tensor for every later table, and the
+    tables equal the formula computed anew, bit for bit."""
+    from dscale_runtime.models.layers import rope_inv_freq
+
+    positions = torch.randint(0, 40000, (37,), generator=_gen(3))
+    for head_dim, theta in ((64, 10000.0), (128, 1e6)):
+        first = rope_inv_freq(head_dim, theta, positions.device)
+        assert rope_inv_freq(head_dim, theta, positions.device) is first
+        for got, want in zip(rope_cos_sin(positions, head_dim, theta, torch.bfloat16),
+                             uncached_tables(positions, head_dim, theta, torch.bfloat16)):
+            assert torch.equal(got, want)
+    assert rope_inv_freq(64, 10000.0, positions.device) is not rope_inv_freq(64, 500000.0, positions.device)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_rope_frequencies_first_met_in_a_capture_are_not_kept():
+    """A capture records kernels without running them: frequencies first asked for while a graph is captured are
+    used by that graph (its replays give the formula's tables) but not kept for eager calls; eager ones are kept."""
+    from dscale_runtime.models import layers
+
+    head_dim, theta = 96, 123457.0  # NOTE: a key no other test uses
+    layers._INV_FREQ.pop((head_dim, theta, torch.device("cuda", torch.cuda.current_device())), None)
+    positions = torch.randint(0, 40000, (64,), device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        tables = rope_cos_sin(positions, head_dim, theta, torch.float32)
+    assert (head_dim, theta, positions.device) not in layers._INV_FREQ
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(tables, uncached_tables(positions, head_dim, theta, torch.float32)):
+        assert torch.equal(got, want)
+    rope_cos_sin(positions, head_dim, theta, torch.float32)
+    assert (head_dim, theta, positions.device) in layers._INV_FREQ

@@ -45,9 +45,25 @@ class RMSNorm(nn.Module):
         return fused.rms_norm(x, self.weight, self.eps, backend=self.kernels.fused)
 
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2] fp32 (transformers' formula), computed once per (head_dim, theta,
+    device) on that device and kept: every step and prefill builds its tables from it with five launches fewer. One
+    computed while a CUDA graph is being captured is used, not kept (capture records kernels without running them)."""
+    key = (head_dim, float(theta), device)
+    inv_freq = _INV_FREQ.get(key)
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+        if not (inv_freq.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _INV_FREQ[key] = inv_freq
+    return inv_freq
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin tables [T, head_dim] for absolute positions [T] (computed in fp32, like transformers)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.int64).float() / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
