@@ -19,8 +19,10 @@ Issue 15's check per mode and sampled point: tokens/s >= 0.95 x greedy tokens/s 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -42,9 +44,30 @@ def build(mode: str, concurrency: int, dtype: str, predictor: Path, graphs: bool
                                   predictor if mode == "dscale" else None, config=config)
 
 
+@contextlib.contextmanager
+def decision_kernels(value: str | None):
+    """DSCALE_DECISION set to `value` while an engine is built (`KernelChoice.resolve` reads it there, once; the
+    steps captured at start-up keep it); None leaves the environment as it is."""
+    old = os.environ.get("DSCALE_DECISION")
+    if value is not None:
+        os.environ["DSCALE_DECISION"] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop("DSCALE_DECISION")
+            else:
+                os.environ["DSCALE_DECISION"] = old
+
+
 def build_named(name: str, concurrency: int, args) -> Engine:
     """`--modes` entries: target, dflash, dscale over the DFlash 1 drafter; dflash2, dscale2 over `drafter2/` (the
-    DFlash 2 drafter, DScale with `--predictor2`)."""
+    DFlash 2 drafter, DScale with `--predictor2`); a `-k` suffix (`dflash-k`, ...) builds that engine with the step's
+    Triton kernels (`KernelChoice.decision='triton'`), the others as the environment says (the default: 'ref')."""
+    if name.endswith("-k"):
+        with decision_kernels("triton"):
+            return build_named(name.removesuffix("-k"), concurrency, args)
     if name.endswith("2"):
         return build(name[:-1], concurrency, args.dtype, args.predictor2, args.step_graphs, drafter="drafter2")
     return build(name, concurrency, args.dtype, args.predictor, args.step_graphs)
@@ -147,7 +170,8 @@ def main() -> None:
     parser.add_argument("--admission-groups", type=int, nargs="*", default=[],
                         help="also time DFlash and DScale engines with these EngineConfig.admission_group values")
     parser.add_argument("--modes", nargs="+", default=["target", "dflash", "dscale"],
-                        help="target, dflash, dscale; dflash2 and dscale2 run the DFlash 2 drafter (drafter2/)")
+                        help="target, dflash, dscale; dflash2 and dscale2 run the DFlash 2 drafter (drafter2/); "
+                             "a -k suffix (target-k, dflash-k, dscale-k, ...): with the step's Triton kernels")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in stdlib_prompts()[: args.prompts]]

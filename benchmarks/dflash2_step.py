@@ -13,7 +13,9 @@ captured on CUDA (eager elsewhere):
   `--candidate-chunks C` adds DFlash 2 with its candidates' top-k over C vocabulary slices (`dflash2-cC`; 1: one
   torch.topk, the top-k before the sliced one became the default); `--conv-kernel tile` adds DFlash 2 with the
   per-block-tile convolution kernel (`dflash2-tile`) and times both convolution kernels alone; `--decision-kernels`
-  adds DScale with its decision's Triton kernels (`dscale-k`: agreement columns, allocation, flat pack);
+  adds both steps with the step's Triton kernels (`KernelChoice.decision`: `dflash-k`, `dscale-k`: metadata,
+  acceptance and result rows, state; DScale's agreement columns, conditionals, allocation and flat pack), checked
+  against the reference steps, and the ratio `dscale-k/dflash-k`;
 - `--profile`: both drafters' captured greedy DFlash steps by kernel (`gpu_step.kernel_table`), and the kernels
   whose time differs most between them.
 
@@ -66,7 +68,7 @@ def build_dflash2(bench: Bench, args, seed: int = 7) -> DFlash2DraftModel:
 
 CHUNKS: dict[str, int] = {}  # DFlash 2 drafter name -> its candidates' top-k slices (`candidate_chunks`)
 CONV: dict[str, str] = {}  # DFlash 2 drafter name -> its convolution kernel (`triton_conv.CONV_KERNEL`)
-MODES = ["dflash", "dscale"]  # + 'dscale-k' with --decision-kernels
+MODES = ["dflash", "dscale"]  # + 'dflash-k', 'dscale-k' with --decision-kernels
 
 
 def use_drafter(bench: Bench, drafter, name: str) -> None:
@@ -109,8 +111,8 @@ def conv_section(bench: Bench, args, result: dict) -> None:
 
 def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs: bool, ratio: float,
                 name: str = ""):
-    """One step's result tensor [n, 4 + W] on the host, and the runner (its first call builds the step). Mode
-    'dscale-k': the DScale step with its decision's Triton kernels (`KernelChoice.decision`)."""
+    """One step's result tensor [n, 4 + W] on the host, and the runner (its first call builds the step). Modes
+    'dflash-k', 'dscale-k': the step with the step's Triton kernels (`KernelChoice.decision`)."""
     use_drafter(bench, drafter, name)
     runner = bench.runner(mode.removesuffix("-k"), ratio, graphs, [n])
     if mode.endswith("-k"):
@@ -124,7 +126,7 @@ def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs:
 
 def check_section(bench: Bench, drafter, n: int, ratio: float, result: dict, name: str = "dflash2") -> None:
     """Captured == eager for the DFlash 2 steps (same inputs, same caches: the steps write the same K/V); with
-    --decision-kernels, also DScale's eager step with its decision's Triton kernels == the reference decision's."""
+    --decision-kernels, also each eager step with the step's Triton kernels == the reference step's."""
     suffix = "" if name == "dflash2" else f" {name}"
     eagers = {}
     for mode in MODES:
@@ -136,11 +138,13 @@ def check_section(bench: Bench, drafter, n: int, ratio: float, result: dict, nam
             if not result["checks"][key]:
                 result["errors"].append(f"{key}: {(eager != captured).any(1).sum().item()} of {n} rows differ")
             release(bench.device)
-    for sampling in ("greedy", "sampled") if "dscale-k" in MODES else ():
-        key = f"decision_kernels_equal_reference {sampling} N={n}" + suffix
-        result["checks"][key] = bool(torch.equal(eagers["dscale", sampling], eagers["dscale-k", sampling]))
-        if not result["checks"][key]:
-            result["errors"].append(key)
+    for mode in [m for m in MODES if m.endswith("-k")]:
+        for sampling in ("greedy", "sampled"):
+            key = f"decision_kernels_equal_reference {mode} {sampling} N={n}" + suffix
+            plain = mode.removesuffix("-k")
+            result["checks"][key] = bool(torch.equal(eagers[plain, sampling], eagers[mode, sampling]))
+            if not result["checks"][key]:
+                result["errors"].append(key)
 
 
 def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> None:
@@ -170,6 +174,9 @@ def timing_section(bench: Bench, drafters: dict, n: int, args, result: dict) -> 
         for name in drafters:
             for mode in MODES[1:]:
                 pairs[f"{name} {mode}/dflash {sampling}"] = (f"{name} {mode} {sampling}", f"{name} dflash {sampling}")
+            if "dscale-k" in MODES:
+                pairs[f"{name} dscale-k/dflash-k {sampling}"] = (f"{name} dscale-k {sampling}",
+                                                                 f"{name} dflash-k {sampling}")
     median = lambda xs: float(statistics.median(xs))  # noqa: E731
     ms = {key: round(median([t[key] for t in rounds]), 4) for key in keys}
     ratios, spread = {}, {}
@@ -203,8 +210,9 @@ def profile_section(bench: Bench, drafters: dict, n: int, args, result: dict, re
     over each drafter)."""
     graphs = bench.device.type == "cuda"
     tables = {}
+    modes = [m for m in ("dflash", "dscale", "dflash-k", "dscale-k") if m in MODES]
     for name, drafter in drafters.items():
-        for mode in ("dflash", "dscale"):
+        for mode in modes:
             _, runner, batch, kind = step_result(bench, drafter, mode, n, "greedy", graphs, args.ratio, name)
             for _ in range(3):
                 batch.run(runner, kind)
@@ -215,6 +223,10 @@ def profile_section(bench: Bench, drafters: dict, n: int, args, result: dict, re
     for name in ("dflash1", "dflash2"):
         diffs[f"{name}_dscale_minus_dflash"] = kernel_diff(tables[f"{name} dflash"]["all"],
                                                            tables[f"{name} dscale"]["all"])
+        for mode in [m for m in modes if m.endswith("-k")]:  # NOTE: what the step's kernels remove from each step
+            plain = mode.removesuffix("-k")
+            diffs[f"{name}_{mode}_minus_{plain}"] = kernel_diff(tables[f"{name} {plain}"]["all"],
+                                                                tables[f"{name} {mode}"]["all"])
     result.setdefault("profile", {})[str(n)] = {
         **{name: {k: v for k, v in t.items() if k != "all"} for name, t in tables.items()}, **diffs}
     print(f"  N={n:3d} profile: " + ", ".join(f"{name} {t['total_ms']:.3f} ms in {t['launches']} launches"
@@ -249,8 +261,8 @@ def parse_args(argv):
                         help="tile: also time DFlash 2 with the per-block-tile convolution kernel (`dflash2-tile`) "
                              "and both kernels alone (CUDA)")
     parser.add_argument("--decision-kernels", action="store_true",
-                        help="also time DScale with its decision's Triton kernels (mode `dscale-k`: agreement "
-                             "columns, allocation and flat pack; KernelChoice.decision='triton')")
+                        help="also time both steps with the step's Triton kernels (modes `dflash-k`, `dscale-k`; "
+                             "KernelChoice.decision='triton'), checked against the reference steps")
     parser.add_argument("--profile", action="store_true",
                         help="also profile both drafters' greedy DFlash and DScale steps")
     parser.add_argument("--out", default=None)
@@ -268,7 +280,7 @@ def main(argv=None) -> dict:
     with benchmark_settings(args.device, args.tiny):
         dtype = torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32
         bench = Bench(SHAPES[args.shape], args.device, dtype, max(args.ns), args.context)
-        MODES[:] = ["dflash", "dscale"] + (["dscale-k"] if args.decision_kernels else [])
+        MODES[:] = ["dflash", "dscale"] + (["dflash-k", "dscale-k"] if args.decision_kernels else [])
         drafters = {"dflash1": bench.drafter, "dflash2": build_dflash2(bench, args)}
         CHUNKS["dflash2"] = drafters["dflash2"].candidate_chunks  # NOTE: the drafter's default (`candidate_chunks`)
         if args.conv_kernel == "tile":  # NOTE: the same module, the other convolution kernel

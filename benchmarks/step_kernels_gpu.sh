@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The step's Triton kernels (`KernelChoice.decision`: kernels/triton_step.py, triton_state.py, triton_pack.py,
+# triton_agreement.py) timed against the torch reference on the GPU in one call (issues 24, 25, 26):
+#   1. Qwen3-8B shape, DFlash 1 and DFlash 2, N = 8 / 16 / 32: every step with and without the kernels, checked
+#      (captured == eager, kernels == reference), in interleaved rounds, profiled (`dflash2_step.py`); the tile
+#      convolution beside the row one.
+#   2. The demo shape (launch-bound), N = 8 / 32: the same steps, interleaved.
+#   3. The demo pair through the public Engine (64 prompts x 128 tokens, ignore_eos, graphs on), c = 8 and 32:
+#      target / DFlash / DScale with and without the kernels in the same rounds (`demo_gpu_e2e.py`, `-k` modes).
+# Usage: bash benchmarks/step_kernels_gpu.sh OUT_DIR      (~6-8 minutes on an H200)
+set -uo pipefail
+out=${1:?usage: bash benchmarks/step_kernels_gpu.sh OUT_DIR}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+run() {  # NOTE: one part failing does not stop the others
+  local name=$1
+  shift
+  echo "== $name: $*" | tee -a "$out/step_kernels.log"
+  timeout -k 10 "${PART_TIMEOUT:-240}" "$@" 2>&1 | tee "$out/$name.log" | tail -60 >> "$out/step_kernels.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name exit $rc" | tee -a "$out/step_kernels.log"
+  [ "$rc" -eq 0 ] || status=$rc
+}
+run step_8b python benchmarks/dflash2_step.py --ns 8 16 32 --reps 20 --rounds 5 --decision-kernels \
+  --conv-kernel tile --profile --out "$out/step_8b.json"
+run step_demo python benchmarks/dflash2_step.py --shape demo --ns 8 32 --context 256 --reps 30 --rounds 5 \
+  --decision-kernels --out "$out/step_demo.json"
+run e2e_demo python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 --concurrency 8 32 --step-graphs \
+  --repeats 5 --min-seconds 1 --modes target target-k dflash dflash-k dscale dscale-k --out "$out/e2e_demo.json"
+exit "$status"
