@@ -36,7 +36,7 @@ from dscale_runtime.engine import Engine
 
 
 def build(mode: str, concurrency: int, dtype: str, predictor: Path, graphs: bool, overlap: bool = True,
-          prefill_graphs: bool = True, admission_group: int = 1, drafter: str = "drafter") -> Engine:
+          prefill_graphs: bool = True, admission_group: int = 0, drafter: str = "drafter") -> Engine:
     config = EngineConfig(mode=mode, max_running_requests=concurrency, device="cuda", dtype=dtype, max_model_len=1024,
                           step_graphs=graphs, overlap_schedule=overlap, prefill_graphs=prefill_graphs,
                           admission_group=admission_group)

@@ -6,27 +6,29 @@
 #      convolution beside the row one.
 #   2. The demo shape (launch-bound), N = 8 / 32: the same steps, interleaved.
 #   3. The demo pair through the public Engine (64 prompts x 128 tokens, ignore_eos, graphs on), c = 8 and 32:
-#      target / DFlash / DScale with and without the kernels in the same rounds (`demo_gpu_e2e.py`, `-k` modes).
-# Usage: bash benchmarks/step_kernels_gpu.sh OUT_DIR      (~6-8 minutes on an H200)
+#      target / DFlash / DScale with and without the kernels in the same rounds (`demo_gpu_e2e.py`, `-k` modes),
+#      and DFlash / DScale admitting at once (`group1`) beside the default admission groups (4 at c = 32).
+# Usage: bash benchmarks/step_kernels_gpu.sh OUT_DIR      (~8 minutes on an H200; parts bounded by PART_TIMEOUT)
 set -uo pipefail
 out=${1:?usage: bash benchmarks/step_kernels_gpu.sh OUT_DIR}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-run() {  # NOTE: one part failing does not stop the others
-  local name=$1
-  shift
+run() {  # NOTE: one part failing does not stop the others; run NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
   echo "== $name: $*" | tee -a "$out/step_kernels.log"
-  timeout -k 10 "${PART_TIMEOUT:-240}" "$@" 2>&1 | tee "$out/$name.log" | tail -60 >> "$out/step_kernels.log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -60 >> "$out/step_kernels.log"
   local rc=${PIPESTATUS[0]}
   echo "== $name exit $rc" | tee -a "$out/step_kernels.log"
   [ "$rc" -eq 0 ] || status=$rc
 }
-run step_8b python benchmarks/dflash2_step.py --ns 8 16 32 --reps 20 --rounds 5 --decision-kernels \
+run step_8b 200 python benchmarks/dflash2_step.py --ns 8 16 32 --reps 20 --rounds 5 --decision-kernels \
   --conv-kernel tile --profile --out "$out/step_8b.json"
-run step_demo python benchmarks/dflash2_step.py --shape demo --ns 8 32 --context 256 --reps 30 --rounds 5 \
+run step_demo 80 python benchmarks/dflash2_step.py --shape demo --ns 8 32 --context 256 --reps 30 --rounds 5 \
   --decision-kernels --out "$out/step_demo.json"
-run e2e_demo python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 --concurrency 8 32 --step-graphs \
-  --repeats 5 --min-seconds 1 --modes target target-k dflash dflash-k dscale dscale-k --out "$out/e2e_demo.json"
+run e2e_demo 280 python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 --concurrency 8 32 --step-graphs \
+  --repeats 4 --min-seconds 1 --modes target target-k dflash dflash-k dscale dscale-k --admission-groups 1 \
+  --out "$out/e2e_demo.json"
 exit "$status"

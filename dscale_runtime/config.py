@@ -117,11 +117,13 @@ class EngineConfig:
     decode step is the device's, or the driving loop's live cycle where that is longer (a host-bound server:
     `Engine.stall_reference_ms`). Needs captured prefill; 0 = no such bound (`chunked_prefill_tokens` alone).
     With nothing decoding the whole `chunked_prefill_tokens` budget is used."""
-    admission_group: int = 1
+    admission_group: int = 0
     """While requests decode, admit waiting requests in groups of up to this many: with at least this many
     waiting and fewer slots free, admission waits (at most 4 steps) until the group fits, so one prefill serves
     several requests (SGLang's --min-free-slots-delay); a shorter queue is admitted at once. 1 = admit as soon
-    as a slot frees (the measured default: docs/benchmarks.md)."""
+    as a slot frees. 0 (default): by concurrency (`admission`): max_running_requests // 8 for DFlash and DScale
+    (groups of 4 at 32, none below 16), 1 for target-only. Measured on the demo pair (docs/benchmarks.md): groups
+    of 4 gave +3.6% / +4.1% and +7% / +4% (DFlash / DScale) at c = 32 and -2.6% to -4% at c = 8."""
     overlap_schedule: bool = True
     """Launch each decode step before the previous one is committed on the host: the device advances the next
     step's inputs from the verified results, and the host reads and commits a step behind (stop rules,
@@ -188,14 +190,26 @@ class EngineConfig:
             object.__setattr__(self, "prefill_buckets", tuple(sorted({int(b) for b in self.prefill_buckets})))
             if not self.prefill_buckets or min(self.prefill_buckets) < 1:
                 raise ValueError(f"EngineConfig.prefill_buckets must be token counts >= 1, got {self.prefill_buckets}")
-        if self.admission_group < 1:
-            raise ValueError(f"EngineConfig.admission_group must be >= 1, got {self.admission_group}")
+        if self.admission_group < 0:
+            raise ValueError(f"EngineConfig.admission_group must be >= 1 (0 = by concurrency), got "
+                             f"{self.admission_group}")
         if not self.prefill_stall_ratio >= 0:
             raise ValueError(f"EngineConfig.prefill_stall_ratio must be >= 0 (0 = off), got {self.prefill_stall_ratio}")
         if self.calibration_window < 16:
             raise ValueError(f"EngineConfig.calibration_window must be >= 16 request-steps, got {self.calibration_window}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError(f"EngineConfig.kv_cache_tokens must be positive, got {self.kv_cache_tokens}")
+
+    @property
+    def admission(self) -> int:
+        """The admission group the scheduler uses: `admission_group`, or by concurrency where it is 0."""
+        if self.admission_group:
+            return self.admission_group
+        return max(1, self.max_running_requests // ADMISSION_PER_RUNNING) if self.mode != "target" else 1
+
+
+ADMISSION_PER_RUNNING = 8
+"""`EngineConfig.admission_group` 0: speculative engines admit in groups of max_running_requests // this."""
 
 
 @dataclass(frozen=True)

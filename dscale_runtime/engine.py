@@ -141,7 +141,7 @@ class Engine:
             self.drafter_cache = PagedKVCache(dc.num_hidden_layers, num_pages, config.page_size,
                                               dc.num_key_value_heads, dc.head_dim, drafter.dtype, self.device)
             drafter.head_weight(target.lm_head.weight)  # NOTE: its LM-head copy (when dtypes differ) made now
-        self.scheduler = Scheduler(self.allocator, config.max_running_requests, lookahead, config.admission_group)
+        self.scheduler = Scheduler(self.allocator, config.max_running_requests, lookahead, config.admission)
         self.requests: dict[str, Request] = {}
         self.counters = EngineCounters()
         self.keep_history = keep_history

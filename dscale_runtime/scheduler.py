@@ -120,7 +120,7 @@ class Scheduler:
         out = request.output_token_ids
         anchor = len(request.prompt_token_ids) + len(out) - (1 if out else 0)
         tokens = max(request.num_computed, anchor) + (self.lookahead if lookahead is None else lookahead)
-        return max(0, -(-tokens // self.allocator.page_size) - len(request.pages))  # NOTE: allocator.pages_for
+        return max(0, self.allocator.pages_for(tokens) - len(request.pages))
 
     def reserve(self, requests: list[Request], lookahead: int) -> bool:
         """Grow every request's pages to its committed tokens + `lookahead`, all or none (no preemption)."""

@@ -202,8 +202,8 @@ def test_cuda_step_kernels_equal_the_reference():
 @needs_triton
 @pytest.mark.parametrize("mode,temperature,rule", [("target", 0.0, "auto"), ("dflash", 0.0, "auto"),
                                                    ("dflash", 1.0, "top1"), ("dflash", 1.0, "sampled")])
-def test_engine_steps_through_the_step_kernels_equal_the_reference(interpreter, pair, mode, temperature, rule,  # noqa: F811
-                                                                    monkeypatch):
+def test_engine_steps_through_the_step_kernels_equal_the_reference(  # noqa: F811 - pair: a fixture
+        interpreter, pair, mode, temperature, rule, monkeypatch):
     """Target-only and DFlash engines (oracle drafts: every accepted length) whose steps take their metadata,
     acceptance and result rows from the kernels decode exactly what the same engines on the torch path decode,
     step for step, greedy and seeded sampling under both acceptance rules; greedy output equals target-only's."""

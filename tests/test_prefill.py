@@ -181,6 +181,17 @@ def test_admission_in_groups_holds_only_while_the_queue_fills_a_group(pair, plai
             assert all(e[-1] == min(e[0], e[1]) for e in events if e[0] and e[1] > 0)
 
 
+def test_admission_groups_follow_the_concurrency_by_default(pair):  # noqa: F811
+    """admission_group 0 (the default): speculative engines admit in groups of max_running_requests // 8 (none
+    below 16 running), target-only ones at once; an explicit group wins; a negative one names the field."""
+    for mode, running, group, want in [("dflash", 32, 0, 4), ("dscale", 16, 0, 2), ("dflash", 8, 0, 1),
+                                       ("dflash", 15, 0, 1), ("target", 32, 0, 1), ("dflash", 32, 3, 3)]:
+        assert EngineConfig(mode=mode, max_running_requests=running, admission_group=group).admission == want
+    assert make_engine(pair, "dflash", max_running_requests=24).scheduler.admission_group == 3
+    with pytest.raises(ValueError, match="admission_group"):
+        EngineConfig(admission_group=-1)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_step_never_writes_past_a_requests_pages(pair, overlap):  # noqa: F811
     """Target-only (one row a step), prompts of whole pages, chunks that end a prompt in the step that decodes

@@ -14,10 +14,11 @@
   scores prod_{i <= j} g_i(x_i) (`calibrated_scores`), about thirty launches in the reference.
 
 Integers are exact, so metadata, acceptance, kept slots and result rows equal the reference. The conditionals are
-one IEEE division each and round to 15 bits half to even, as `torch.round` does: exact too. The calibrated scores
-are running products of the fp32 map values (interpolated unfused: `enable_fp_fusion=False`) accumulated in fp64
-and rounded to fp32 at each position, which is what torch's CPU `cumprod` does; its CUDA scan accumulates in fp32,
-so on CUDA the two agree to rounding (they only set verify lengths, which never change the output). Each program recomputes what it needs from its inputs, so every kernel is
+one IEEE division each (`div_rn`: Triton's `/` is approximate on the GPU) and round to 15 bits half to even, as
+`torch.round` does: exact too. The calibrated scores are running products of the fp32 map values (interpolated
+unfused: `enable_fp_fusion=False`) accumulated in fp64 and rounded to fp32 at each position, which is what torch's
+CPU `cumprod` does; its CUDA scan accumulates in fp32, so on CUDA the two agree to rounding (they only set verify
+lengths, which never change the output). Each program recomputes what it needs from its inputs, so every kernel is
 one launch with a grid that depends on shapes only: safe to capture in a CUDA graph. Import this module only where
 triton is installed (the runner does so lazily); TRITON_INTERPRET=1 runs it on CPU tensors.
 """
@@ -206,7 +207,7 @@ def _conditionals_kernel(scores_ptr, knots_ptr, packed_ptr, calibrated_ptr, n, P
     word = tl.zeros([RB], dtype=tl.int64)
     for j in tl.static_range(P):
         s = tl.load(scores_ptr + rows * P + j, mask=valid, other=0.0).to(tl.float32)
-        x = tl.where(before > 0, s / tl.maximum(before, 1e-30), 0.0)
+        x = tl.where(before > 0, tl.math.div_rn(s, tl.maximum(before, 1e-30)), 0.0)  # NOTE: IEEE, not Triton's `/`
         x = tl.minimum(tl.maximum(x, 0.0), 1.0)
         before = s
         # 15 bits, round half to even (torch.round): v - floor(v) is exact below 2^15

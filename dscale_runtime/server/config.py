@@ -82,9 +82,10 @@ class ServeConfig:
     """While requests decode, a prefill chunk lasts at most this share of the decode step beside it (start-up
     measurements), so decoding slows at most (1 + ratio)x during a long prompt's prefill, which then takes more
     steps; 0: only --chunked-prefill-tokens bounds a chunk."""
-    admission_group: int = 1
+    admission_group: int = 0
     """While requests decode and at least this many wait, admit them in groups of this many (held at most 4
-    steps) so one prefill serves several; 1: admit as soon as a slot frees."""
+    steps) so one prefill serves several; 1: admit as soon as a slot frees; 0 (default): by concurrency
+    (--max-running-requests // 8 for dflash and dscale, 1 for target)."""
     overlap_schedule: bool = True
     """Launch each decode step before the host has committed the previous one (inputs advanced on the device,
     commit and streaming a step behind; output unchanged); false: commit every step before the next starts."""
@@ -161,8 +162,8 @@ class ServeConfig:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
         if not self.prefill_stall_ratio >= 0:
             raise ValueError(f"--prefill-stall-ratio must be >= 0 (0 = off), got {self.prefill_stall_ratio}")
-        if self.admission_group < 1:
-            raise ValueError(f"--admission-group must be >= 1, got {self.admission_group}")
+        if self.admission_group < 0:
+            raise ValueError(f"--admission-group must be >= 1 (0 = by concurrency), got {self.admission_group}")
         if self.chunked_prefill_tokens < 0:
             raise ValueError(f"--chunked-prefill-tokens must be >= 0 (0 = off), got {self.chunked_prefill_tokens}")
         if self.max_request_bytes < 1:
