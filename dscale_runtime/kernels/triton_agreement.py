@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dscale_runtime.kernels.triton_fused import interpreted
+from dscale_runtime.kernels.triton_fused import interpreted, require_interpreter_on_cpu
 
 
 @triton.jit
@@ -94,9 +94,7 @@ def agreement_columns_triton(ring: torch.Tensor, slots: torch.Tensor, ctx: torch
     assert ring.dtype == slots.dtype == ctx.dtype == block.dtype == torch.int64, "token ids and indices are int64"
     assert ring.stride(1) == 1 and block.stride(1) == 1, (ring.stride(), block.stride())
     assert 1 <= lookup <= ngram - 1 and r > ngram - 2, (ngram, lookup, r)
-    if not ring.is_cuda and not interpreted():
-        raise RuntimeError("the Triton agreement columns on CPU tensors need Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before triton is imported, or use the reference (backend 'ref')")
+    require_interpreter_on_cpu(ring, "the Triton agreement columns", "decision")
     p = w - 1
     out = torch.empty(n, 2 * p + 1, dtype=torch.float32, device=block.device)
     if n == 0:

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.kernels import TILE_ROWS, heads_per_program, tile_rows_for
+from dscale_runtime.kernels.triton_fused import interpreted, require_interpreter_on_cpu
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Split-KV (meta.kv_splits > 1): a request splits its keys over at most kv_splits programs, one per this many
@@ -260,10 +261,6 @@ def _combine_splits_kernel(
              mask=mask)
 
 
-def interpreted() -> bool:
-    """Whether the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
-    return not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
-
 
 def launch_config(dtype: torch.dtype, stacked_rows: int, head_dim: int) -> dict:
     """Key block and warps for one program of `stacked_rows` query rows. 16-bit inputs at head_dim <= 128
@@ -319,9 +316,7 @@ def paged_attention_triton(
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     if num_rows == 0:
         return out
-    if not q.is_cuda and not interpreted():
-        raise RuntimeError("Triton attention on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before triton is imported, or use DSCALE_ATTENTION=ref (KernelChoice.attention='ref')")
+    require_interpreter_on_cpu(q, "Triton attention", "attention")
     consts = kernel_constants(q.dtype, num_heads, num_kv_heads, head_dim, tile, page_size, meta.causal, config)
     splits = int(getattr(meta, "kv_splits", 1))
     assert splits >= 1, f"kv_splits must be >= 1, got {splits}"

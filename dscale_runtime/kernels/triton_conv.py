@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dscale_runtime.kernels.triton_fused import _DTYPES, _LAUNCH, _round, interpreted
+from dscale_runtime.kernels.triton_fused import _DTYPES, _LAUNCH, _round, interpreted, require_interpreter_on_cpu
 
 BLOCK_COLUMNS = 1024  # channels per program of the per-row kernel
 TILE_COLUMNS = 128  # channels per program of the tile kernel (its tile: the block's W slots x these channels)
@@ -114,9 +114,7 @@ def block_convolve_triton(
     assert rows == n * width and d == groups * group_size and base.shape == (taps, d), (x.shape, dynamic.shape)
     assert x.is_contiguous() and base.is_contiguous() and dynamic.stride(-1) == 1
     assert dynamic.stride(0) == width * dynamic.stride(1), "dynamic taps: rows must be evenly strided"
-    if not x.is_cuda and not interpreted():
-        raise RuntimeError("the Triton convolution on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    require_interpreter_on_cpu(x, "the Triton convolution", "fused")
     out = torch.empty_like(x)
     if rows == 0:
         return out
@@ -146,9 +144,7 @@ def slice_max_triton(logits: torch.Tensor, chunks: int) -> torch.Tensor:
     programs per (row, 16 slices); NaN logits are not propagated as torch.amax does."""
     r, vocab = logits.shape
     assert vocab % chunks == 0 and logits.stride(1) == 1, (logits.shape, logits.stride(), chunks)
-    if not logits.is_cuda and not interpreted():
-        raise RuntimeError("the Triton slice maxima on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    require_interpreter_on_cpu(logits, "the Triton slice maxima", "fused")
     out = torch.empty(r, chunks, dtype=logits.dtype, device=logits.device)
     if r == 0:
         return out

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dscale_runtime.kernels.triton_fused import interpreted, require_interpreter_on_cpu
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_RANKS = 64
 GROUPS = 512  # groups of a chunk (one tile row: 512 contiguous logits)
@@ -149,10 +151,6 @@ def _merge_kernel(
     tl.store(out + NUM_RANKS + 1, entropy)
 
 
-def interpreted() -> bool:
-    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
-    return not isinstance(_chunk_kernel, triton.runtime.JITFunction)
-
 
 def launch_config(num_rows: int, vocab: int, num_ranks: int, dtype: torch.dtype = torch.bfloat16,
                   config: dict | None = None) -> dict:
@@ -198,10 +196,7 @@ def confidence_features_triton(
     assert out.device == logits.device
     if num_rows == 0:
         return out
-    if not logits.is_cuda and not interpreted():
-        raise RuntimeError("Triton confidence features on CPU tensors need Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before triton is imported, or use DSCALE_FEATURES=ref "
-                           "(KernelChoice.features='ref')")
+    require_interpreter_on_cpu(logits, "Triton confidence features", "features")
     cfg = launch_config(num_rows, vocab, num_ranks, logits.dtype, config)
     k, num_chunks = cfg["K"], cfg["num_chunks"]
     # NOTE: allocated by torch on the logits' device: inside a CUDA graph capture, from the graph's pool.

@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dscale_runtime.kernels.filters import DIGITS, KEY_ALL, KEY_BITS, MASS_BITS, ROW_PROGRAM_VOCAB
+from dscale_runtime.kernels.triton_fused import interpreted, require_interpreter_on_cpu
 
 BLOCK = 1024  # tokens per tile
 TARGET_PROGRAMS = 1024  # a round splits each row into parts so that about this many programs run
@@ -231,10 +232,6 @@ def _row_kernel(logits, shift, inv_t, top_k, top_p, floor, vocab, stride_row, KE
                                      SCALE, ACCURATE, KEY16, DTYPE))
 
 
-def interpreted() -> bool:
-    """Whether the kernels run in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
-    return not isinstance(_round_kernel, triton.runtime.JITFunction)
-
 
 def parts_per_row(rows: int, vocab: int) -> int:
     """Programs per row of a round: about TARGET_PROGRAMS in all, each at least one BLOCK of the row."""
@@ -245,9 +242,7 @@ def filter_floor_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.
                         top_p: torch.Tensor) -> torch.Tensor:
     assert logits.dim() == 2 and logits.stride(-1) == 1, "logits must be [R, V] with contiguous rows"
     assert sum(DIGITS) == KEY_BITS
-    if not logits.is_cuda and not interpreted():
-        raise RuntimeError("Triton top-k / top-p on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    require_interpreter_on_cpu(logits, "Triton top-k / top-p", "fused")
     rows, vocab = logits.shape
     # NOTE: allocated by torch on the logits' device: inside a CUDA graph capture, from the graph's pool.
     floor = torch.empty(rows, dtype=torch.float32, device=logits.device)

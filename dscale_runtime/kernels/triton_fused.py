@@ -203,6 +203,17 @@ def interpreted() -> bool:
     return not isinstance(_silu_mul_kernel, triton.runtime.JITFunction)
 
 
+def require_interpreter_on_cpu(tensor: torch.Tensor, what: str, option: str) -> None:
+    """Every Triton wrapper's check before a launch: CUDA tensors run the compiled kernel, CPU tensors only in
+    Triton's interpreter; otherwise the error names both ways out (the interpreter, or the reference path of
+    `KernelChoice.<option>` through its environment variable)."""
+    if not tensor.is_cuda and not interpreted():
+        from dscale_runtime.kernels.choice import ENVIRONMENT
+
+        raise RuntimeError(f"{what} on CPU tensors: Triton's interpreter is needed (set TRITON_INTERPRET=1 before "
+                           f"triton is imported), or use {ENVIRONMENT[option]}=ref (KernelChoice.{option}='ref')")
+
+
 def _warps(elements: int) -> int:
     return max(1, min(16, elements // 512))
 
@@ -234,9 +245,7 @@ def _check(x: torch.Tensor, *others: torch.Tensor) -> None:
     assert x.dtype in _DTYPES, f"fused kernels take {_DTYPES}, got {x.dtype}"
     for other in others:
         assert other.dtype == x.dtype and other.device == x.device, (x.dtype, other.dtype, x.device, other.device)
-    if not x.is_cuda and not interpreted():
-        raise RuntimeError("Triton fused kernels on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    require_interpreter_on_cpu(x, "Triton fused kernels", "fused")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

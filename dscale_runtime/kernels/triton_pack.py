@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dscale_runtime.kernels.triton_fused import interpreted
+from dscale_runtime.kernels.triton_fused import interpreted, require_interpreter_on_cpu
 from dscale_runtime.kv_cache import SCRATCH_PAGE
 
 ALLOCATE_ROWS = 4  # requests per allocation program
@@ -84,8 +84,7 @@ def allocate_triton(scores: torch.Tensor, live: torch.Tensor, budget: torch.Tens
     assert p == block_size - 1 and scores.dtype == torch.float32 and scores.is_contiguous(), \
         (scores.shape, scores.dtype)
     assert live.dtype == budget.dtype == torch.int64 and budget.numel() == 1
-    if not scores.is_cuda and not interpreted():
-        raise RuntimeError("the Triton allocation on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    require_interpreter_on_cpu(scores, "the Triton allocation", "decision")
     lens = torch.empty(n, dtype=torch.int64, device=scores.device)
     if n == 0:
         return lens
@@ -149,8 +148,7 @@ def flat_pack_triton(lens: torch.Tensor, block: torch.Tensor, ctx: torch.Tensor,
     n, w = block.shape
     assert lens.dtype == block.dtype == ctx.dtype == block_tables.dtype == torch.int64
     assert block.stride(1) == 1 and block_tables.stride(1) == 1 and lens.is_contiguous() and ctx.is_contiguous()
-    if not lens.is_cuda and not interpreted():
-        raise RuntimeError("the Triton flat pack on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    require_interpreter_on_cpu(lens, "the Triton flat pack", "decision")
     device = lens.device
     rows = {name: torch.empty(num_rows, dtype=torch.int64, device=device)
             for name in ("token_ids", "positions", "slot_mapping", "row_req", "row_local")}

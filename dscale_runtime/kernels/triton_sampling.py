@@ -20,6 +20,7 @@ import triton.language as tl
 
 from dscale_runtime.kernels.filters import KEY_ALL, KEY_BITS, MASS_BITS, ROW_PROGRAM_VOCAB
 from dscale_runtime.kernels.triton_filters import _DTYPES16, _row_floor
+from dscale_runtime.kernels.triton_fused import interpreted, require_interpreter_on_cpu
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -171,10 +172,6 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
     tl.store(out + row, token)
 
 
-def interpreted() -> bool:
-    """Whether the kernel runs in Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
-    return not isinstance(_chunk_exp_sums_kernel, triton.runtime.JITFunction)
-
 
 def chunk_exp_sums_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, chunk: int,
                           floor: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,9 +180,7 @@ def chunk_exp_sums_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torc
                          "(KernelChoice.fused='ref')")
     assert logits.dim() == 2 and logits.stride(-1) == 1, "logits must be [R, V] with contiguous rows"
     assert chunk & (chunk - 1) == 0, "the chunk must be a power of two"
-    if not logits.is_cuda and not interpreted():
-        raise RuntimeError("Triton chunk sums on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    require_interpreter_on_cpu(logits, "Triton chunk sums", "fused")
     rows, vocab = logits.shape
     num_chunks = -(-vocab // chunk)
     # NOTE: allocated by torch on the logits' device: inside a CUDA graph capture, from the graph's pool.
@@ -204,9 +199,7 @@ def keyed_uniforms_triton(seed_lo: torch.Tensor, seed_hi: torch.Tensor, position
     """seeds [R] int64, positions [R, ...] int64 contiguous -> float64 [R, ...] (row r's seeds key all of its
     positions); `key` = the purpose's 32-bit key, `second_key` the chain's second constant."""
     assert positions.is_contiguous() and seed_lo.shape == seed_hi.shape == positions.shape[:1]
-    if not positions.is_cuda and not interpreted():
-        raise RuntimeError("Triton draws on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
-                           "triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    require_interpreter_on_cpu(positions, "Triton draws", "fused")
     out = torch.empty(positions.shape, dtype=torch.float64, device=positions.device)
     total = positions.numel()
     if total:
@@ -223,9 +216,7 @@ def sample_triton(values: torch.Tensor, shift: torch.Tensor | None, inv_t: torch
     """One token per row of a policy (`dscale_runtime.sampling.Policy`: logits with shift / inv_t and an optional
     floor, or dense weights when shift is None) at uniforms u [R] -> int64 [R], in one launch."""
     assert values.dim() == 2 and values.stride(-1) == 1 and chunk & (chunk - 1) == 0
-    if not values.is_cuda and not interpreted():
-        raise RuntimeError("Triton sampling on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    require_interpreter_on_cpu(values, "Triton sampling", "fused")
     rows, vocab = values.shape
     out = torch.empty(rows, dtype=torch.long, device=values.device)
     if rows:
@@ -256,9 +247,7 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
     if logits.dtype not in _DTYPES:
         raise ValueError(f"Triton row tokens take {_DTYPES} logits, got {logits.dtype}: use DSCALE_FUSED=ref "
                          "(KernelChoice.fused='ref')")
-    if not logits.is_cuda and not interpreted():
-        raise RuntimeError("Triton row tokens on CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 "
-                           "before triton is imported, or use DSCALE_FUSED=ref (KernelChoice.fused='ref')")
+    require_interpreter_on_cpu(logits, "Triton row tokens", "fused")
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
         return out

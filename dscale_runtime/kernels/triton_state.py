@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dscale_runtime.kernels.triton_fused import interpreted
+from dscale_runtime.kernels.triton_fused import interpreted, require_interpreter_on_cpu
 
 
 @triton.jit
@@ -74,8 +74,7 @@ def resolve_triton(anchor, ctx, context, host, slot, live, state_anchor, state_c
     """`BucketStep.resolve` on the step buffers (anchor, ctx, host, slot, live [B] int64; context [B, C] float32)
     and the device state (anchor, ctx [S + 1] int64; history [S + 1, C] float32 or None), in place."""
     n = anchor.shape[0]
-    if not anchor.is_cuda and not interpreted():
-        raise RuntimeError("the Triton state kernels on CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+    require_interpreter_on_cpu(anchor, "the Triton state kernels", "decision")
     c = context.shape[1]
     if n == 0:
         return
@@ -91,8 +90,7 @@ def advance_triton(accepted, successor, block, slot, ctx, context, state_anchor,
     int64, block [B, W] int64, context [B, C] float32 (the step's buffers), the device state (anchor, ctx, history
     or None, ring [S + 1, R] int64 or None), in place."""
     n, w = block.shape
-    if not block.is_cuda and not interpreted():
-        raise RuntimeError("the Triton state kernels on CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+    require_interpreter_on_cpu(block, "the Triton state kernels", "decision")
     if n == 0:
         return
     c = context.shape[1]

@@ -31,18 +31,13 @@ import triton.language as tl
 
 from dscale_runtime.attention import AttentionMetadata
 from dscale_runtime.dvl.calibration import UNIT_BITS, UNITS_PER_WORD
-from dscale_runtime.kernels.triton_fused import interpreted
+from dscale_runtime.kernels.triton_fused import interpreted, require_interpreter_on_cpu
 from dscale_runtime.kv_cache import SCRATCH_PAGE
 
 ROWS = 128  # rows (or requests) per program of the metadata and acceptance kernels
 SCORE_ROWS = 32  # requests per program of the conditionals kernel
 RESULT_FIELDS = 4  # accepted, successor, k, full-width accepted: the result's columns before the block
 
-
-def _on_device(tensor: torch.Tensor, what: str) -> None:
-    if not tensor.is_cuda and not interpreted():
-        raise RuntimeError(f"the Triton {what} on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1), or "
-                           "the reference (KernelChoice.decision='ref')")
 
 
 @triton.jit
@@ -77,7 +72,7 @@ def block_metadata_triton(ctx: torch.Tensor, block_tables: torch.Tensor, page_si
     and with `anchor` [B] the drafter's block [B, W] int64: the anchor, then `mask_token`; else None)."""
     n, max_pages = block_tables.shape
     assert ctx.dtype == block_tables.dtype == torch.int64 and ctx.is_contiguous() and block_tables.stride(1) == 1
-    _on_device(ctx, "step metadata")
+    require_interpreter_on_cpu(ctx, "the Triton step metadata", "decision")
     device = ctx.device
     rows = {name: torch.empty(n * width, dtype=torch.int64, device=device)
             for name in ("row_req", "row_local", "positions", "slot_mapping")}
@@ -175,7 +170,7 @@ def accept_triton(target_tokens: torch.Tensor, block: torch.Tensor, lens: torch.
     m = target_tokens.shape[0]
     assert target_tokens.dtype == block.dtype == lens.dtype == offsets.dtype == live.dtype == torch.int64
     assert block.stride(1) == 1 and target_tokens.is_contiguous() and lens.is_contiguous() and offsets.is_contiguous()
-    _on_device(block, "acceptance")
+    require_interpreter_on_cpu(block, "the Triton acceptance", "decision")
     words = extra.shape[1] if extra is not None else 0
     out = torch.empty(n, RESULT_FIELDS + w + words, dtype=torch.int64, device=block.device)
     kept = torch.empty(m, dtype=torch.int64, device=block.device) if keep else None
@@ -239,7 +234,7 @@ def conditionals_triton(scores: torch.Tensor, knots: torch.Tensor | None) -> tup
     [P, K + 1] float32, else `scores` itself)."""
     n, p = scores.shape
     assert scores.is_contiguous() and scores.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    _on_device(scores, "conditionals")
+    require_interpreter_on_cpu(scores, "the Triton conditionals", "decision")
     words = -(-p // UNITS_PER_WORD)
     packed = torch.empty(n, words, dtype=torch.int64, device=scores.device)
     calibrated = torch.empty(n, p, dtype=torch.float32, device=scores.device) if knots is not None else scores
