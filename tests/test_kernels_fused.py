@@ -167,6 +167,18 @@ def test_interpreter_add_rms_norm(interpreter, shape, dtype):
     assert total is x and out is normed
     assert torch.equal(x, want[0])  # the sum is elementwise: always exact
     assert_norm_close(normed, want[1])
+    # the sum into strided rows (a captured layer's columns of the features), the norm into a new tensor; the
+    # router's reference path honours the same buffers
+    features = torch.full((shape[0], 3 * shape[1]), float("nan"), dtype=dtype)
+    into = features[:, shape[1]:2 * shape[1]]
+    x = randn(shape, dtype, gen, 4.0)
+    total, out = add_rms_norm_triton(x, delta, weight, EPS, out=(into, None))
+    assert total is into and torch.equal(into, x + delta)  # the sum is elementwise: always exact
+    assert torch.isnan(features[:, :shape[1]]).all() and torch.isnan(features[:, 2 * shape[1]:]).all()
+    into_ref = torch.full_like(features, float("nan"))[:, shape[1]:2 * shape[1]]
+    total_ref, out_ref = add_rms_norm(x, delta, weight, EPS, backend="ref", out=(into_ref, None))
+    assert total_ref is into_ref and torch.equal(into_ref, into)
+    assert_norm_close(out, out_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -236,6 +248,63 @@ def test_interpreter_qkv_norm_rope_store(interpreter, shape, dtype, with_q):
         assert torch.equal(qkv, before)
         assert (got_q is None) == (want_q is None) and (got_q is None or torch.equal(got_q, want_q))
         assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_interpreter_kv_store_of_every_layer_in_one_launch(interpreter, dtype):
+    """The drafter's context K/V of L layers (one projection's columns, layer after layer) in one launch over the
+    layers of one cache allocation: each layer's cache equal bit for bit to the one-layer kernel on its columns,
+    slots not named untouched; caches that are not equally spaced take one launch per layer, with the same values;
+    the reference path equals the layer-by-layer reference."""
+    from dscale_runtime.kernels import triton_fused as tf
+    from dscale_runtime.kernels.fused import kv_norm_rope_store_layers, qkv_norm_rope_store_ref
+    from dscale_runtime.kv_cache import PagedKVCache
+
+    layers, num_rows, kv_heads, head_dim, num_slots = 3, 9, 2, 64, 64
+    gen = _gen(21)
+    kv = randn((num_rows, layers * 2 * kv_heads * head_dim), dtype, gen, 3.0)
+    k_weights = randn((layers, head_dim), dtype, gen)
+    cos, sin = rope_tables(num_rows, head_dim, dtype, gen)
+    slots = torch.randperm(num_slots, generator=gen)[:num_rows]
+    width = 2 * kv_heads * head_dim
+    want = PagedKVCache(layers, num_slots // 16, 16, kv_heads, head_dim, dtype, "cpu")
+    want.k.fill_(7.0), want.v.fill_(7.0)
+    for i in range(layers):
+        tf.qkv_norm_rope_store_triton(kv[:, i * width:(i + 1) * width], 0, kv_heads, None, k_weights[i], cos, sin, EPS,
+                                      slots, want.layers[i].k, want.layers[i].v)
+    launches = []
+    real = tf._qkv_norm_rope_store_kernel
+
+    class Counted:  # NOTE: counts the kernel's launches, whatever wrapper makes them
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    got = PagedKVCache(layers, num_slots // 16, 16, kv_heads, head_dim, dtype, "cpu")
+    got.k.fill_(7.0), got.v.fill_(7.0)
+    try:
+        tf._qkv_norm_rope_store_kernel = Counted()
+        kv_norm_rope_store_layers(kv, kv_heads, k_weights, cos, sin, EPS, slots, [c.k for c in got.layers],
+                                  [c.v for c in got.layers], backend="triton")
+        assert len(launches) == 1 and launches[0][2] == layers
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+        spread = [torch.full((5, num_slots, kv_heads, head_dim), 7.0, dtype=dtype) for _ in range(2)]
+        apart = [[c[0], c[1], c[3]] for c in spread]  # NOTE: unequal distances
+        assert tf.layer_stride(apart[0]) is None
+        kv_norm_rope_store_layers(kv, kv_heads, k_weights, cos, sin, EPS, slots, *apart, backend="triton")
+        assert len(launches) == 1 + layers
+        assert all(torch.equal(apart[0][i], want.k[i]) and torch.equal(apart[1][i], want.v[i]) for i in range(layers))
+    finally:
+        tf._qkv_norm_rope_store_kernel = real
+    ref = PagedKVCache(layers, num_slots // 16, 16, kv_heads, head_dim, dtype, "cpu")
+    kv_norm_rope_store_layers(kv, kv_heads, k_weights, cos, sin, EPS, slots, [c.k for c in ref.layers],
+                              [c.v for c in ref.layers], backend="ref")
+    for i in range(layers):
+        k_ref, v_ref = torch.zeros_like(ref.k[i]), torch.zeros_like(ref.v[i])
+        qkv_norm_rope_store_ref(kv[:, i * width:(i + 1) * width], 0, kv_heads, None, k_weights[i], cos, sin, EPS, slots,
+                                k_ref, v_ref)
+        assert torch.equal(ref.k[i], k_ref) and torch.equal(ref.v[i], v_ref)
+        assert torch.equal(got.v[i][slots], ref.v[i][slots])  # (k: the one-layer kernel's values, tested above)
 
 
 def test_qkv_norm_rope_store_router_takes_the_reference_for_other_cache_dtypes(monkeypatch):
@@ -512,6 +581,51 @@ def test_cuda_graph_capture_and_replay():
         for name in outs:
             assert torch.equal(outs[name], eager[name]), name
         assert torch.equal(outs["act"], silu_mul_ref(gate_up))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_kv_store_of_every_layer_captured_at_qwen3_8b_drafter_sizes():
+    """The drafter's context K/V of its five layers in one launch (Qwen3-8B heads, bf16, 512 rows, one cache
+    allocation of 4,096 slots per layer): equal bit for bit to the one-layer kernel per layer, eagerly and replayed
+    from a CUDA graph over new inputs and slots."""
+    from dscale_runtime.kernels import triton_fused as tf
+    from dscale_runtime.kv_cache import PagedKVCache
+
+    s, dtype, num_rows, layers = QWEN3_8B, torch.bfloat16, 512, 5
+    kv_heads, head_dim = s["kv_heads"], s["head_dim"]
+    width = 2 * kv_heads * head_dim
+    gen = _gen(6, "cuda")
+    kv = randn((num_rows, layers * width), dtype, gen, 3.0)
+    k_weights = randn((layers, head_dim), dtype, gen)
+    cos, sin = rope_tables(num_rows, head_dim, dtype, gen)
+    slots = torch.randperm(4096, generator=gen, device="cuda")[:num_rows]
+    cache = PagedKVCache(layers, 256, 16, kv_heads, head_dim, dtype, "cuda")
+
+    def one_call():
+        tf.kv_norm_rope_store_layers_triton(kv, kv_heads, k_weights, cos, sin, EPS, slots, [c.k for c in cache.layers],
+                                            [c.v for c in cache.layers])
+
+    one_call()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        one_call()
+    for seed in range(3):
+        gen = _gen(60 + seed, "cuda")
+        kv.copy_(randn(kv.shape, dtype, gen, 3.0))
+        slots.copy_(torch.randperm(4096, generator=gen, device="cuda")[:num_rows])
+        new_cos, new_sin = rope_tables(num_rows, head_dim, dtype, gen)
+        cos.copy_(new_cos), sin.copy_(new_sin)
+        want_k, want_v = cache.k.clone(), cache.v.clone()
+        for i in range(layers):
+            tf.qkv_norm_rope_store_triton(kv[:, i * width:(i + 1) * width], 0, kv_heads, None, k_weights[i], cos, sin,
+                                          EPS, slots, want_k[i], want_v[i])
+        if seed % 2:
+            graph.replay()
+        else:
+            one_call()
+        assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
 
 
 @pytest.mark.gpu

@@ -144,10 +144,17 @@ def test_target_matches_transformers(tmp_path, shape, tied, sharded, fused):
     d = cfg.hidden_size
     assert _maxdiff(feats_rev[:, :d], ref_hidden[2]) <= TOL
     assert _maxdiff(feats_rev[:, d:], ref_hidden[1]) <= TOL
-    # logits_rows selects rows of the same computation
+    # a layer named twice fills both its column blocks; the last layer captured beside logits_rows
     rows = torch.tensor([0, 5, T - 1])
+    sel_c, feats_twice = model(tokens, meta, cache.layers, logits_rows=rows, capture_layers=(1, L - 1, 1))
+    assert torch.equal(feats_twice[:, :d], feats_twice[:, 2 * d:])
+    assert _maxdiff(feats_twice[:, :d], ref_hidden[2]) <= TOL
+    assert _maxdiff(feats_twice[:, d:2 * d], ref_hidden[L]) <= TOL
+    with pytest.raises(ValueError, match="capture_layers"):
+        model(tokens, meta, cache.layers, capture_layers=(L,))
+    # logits_rows selects rows of the same computation
     sel, _ = model(tokens, meta, cache.layers, logits_rows=rows)
-    assert _maxdiff(sel, ref_logits[rows]) <= TOL
+    assert _maxdiff(sel, ref_logits[rows]) <= TOL and torch.equal(sel, sel_c)
 
 
 @pytest.fixture(scope="module")
@@ -445,7 +452,8 @@ def kernel_calls(monkeypatch):
     calls: dict[str, list[dict]] = {}
     for module, name in ((triton_attention, "paged_attention_triton"), (triton_fused, "rms_norm_triton"),
                          (triton_fused, "add_rms_norm_triton"), (triton_fused, "qk_norm_rope_triton"),
-                         (triton_fused, "qkv_norm_rope_store_triton"), (triton_fused, "silu_mul_triton")):
+                         (triton_fused, "qkv_norm_rope_store_triton"), (triton_fused, "silu_mul_triton"),
+                         (triton_fused, "kv_norm_rope_store_layers_triton")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *a, _f=original, _n=name, **k: calls.setdefault(_n, []).append(k) or _f(*a, **k))
@@ -473,8 +481,20 @@ def test_use_kernels_sends_every_layer_through_the_choice(target_pair, interpret
     assert len(kernel_calls["silu_mul_triton"]) == num_layers
     assert len(kernel_calls["qkv_norm_rope_store_triton"]) == num_layers  # q, and k and v into the cache
     assert "qk_norm_rope_triton" not in kernel_calls  # the fused projection's q and k go through the one above
-    assert len(kernel_calls["add_rms_norm_triton"]) == 2 * num_layers - 1  # every norm after a residual add
-    assert len(kernel_calls["rms_norm_triton"]) == 2  # the first layer's input norm and the final norm
+    assert len(kernel_calls["add_rms_norm_triton"]) == 2 * num_layers  # every norm after a residual add
+    assert len(kernel_calls["rms_norm_triton"]) == 1  # the first layer's input norm
+
+    # Captured layers: their sums come out of the next layer's fused add + norm, written into the features'
+    # columns (strided), and the last one is the final norm's output: no extra launch, the same logits bit for bit
+    kernel_calls.clear()
+    ref_hidden = _hf_run(hf, tokens)[1]
+    capture = (1, num_layers - 1, 0)
+    logits_c, feats = model(tokens, meta, _cache_for(model, 4).layers, capture_layers=capture)
+    assert torch.equal(logits_c, logits)
+    assert len(kernel_calls["add_rms_norm_triton"]) == 2 * num_layers and len(kernel_calls["rms_norm_triton"]) == 1
+    d = model.config.hidden_size
+    for j, layer in enumerate(capture):
+        assert _maxdiff(feats[:, j * d:(j + 1) * d], ref_hidden[layer + 1]) <= TOL, layer
 
     kernel_calls.clear()
     model.use_kernels(dataclasses.replace(triton, attention_tile=128))  # the "+tiles" ablation
@@ -491,17 +511,28 @@ def test_use_kernels_sends_every_layer_through_the_choice(target_pair, interpret
 
 
 @torch.no_grad()
-def test_drafter_built_with_triton_matches_design_reference(drafter_setup, interpreter, kernel_calls):
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_drafter_built_with_triton_matches_design_reference(drafter_setup, interpreter, kernel_calls, fused):
+    """The drafter through the interpreted Triton kernels equals the design reference; with fused projections (the
+    CUDA engine's layout) the context K/V of every layer is one projection stored in one launch."""
     drafter, weights, dcfg = drafter_setup
     drafter = copy.deepcopy(drafter).use_kernels(KernelChoice(attention="triton", fused="triton"))
+    if fused:
+        drafter.fuse_projections()
+    layers = drafter.config.layers.num_hidden_layers
     d, W = TARGET_CFG.hidden_size, drafter.config.block_size
     feats = torch.randn(6, len(drafter.config.target_layer_ids) * d, generator=torch.Generator().manual_seed(9))
     block = torch.randn(W, d, generator=torch.Generator().manual_seed(10))
     cache = _draft_cache(drafter, 5)
     _inject(drafter, cache, [[3, 1, 4, 2]], feats, [0], [6])
+    injected = {name: len(calls) for name, calls in kernel_calls.items()}
+    assert injected.get("kv_norm_rope_store_layers_triton", 0) == (1 if fused else 0)
+    # NOTE: unfused layers norm and rope k (one launch each) and store k and v by indexing
+    assert injected.get("qk_norm_rope_triton", 0) == (0 if fused else layers)
+    assert "qkv_norm_rope_store_triton" not in injected and "paged_attention_triton" not in injected
     out = _draft(drafter, cache, [[3, 1, 4, 2]], [6], block)
     assert _maxdiff(out, _reference_drafter(weights, dcfg, feats, block)) <= TOL
-    assert len(kernel_calls["paged_attention_triton"]) == drafter.config.layers.num_hidden_layers
+    assert len(kernel_calls["paged_attention_triton"]) == layers
     assert kernel_calls["rms_norm_triton"] and kernel_calls["add_rms_norm_triton"]
 
 

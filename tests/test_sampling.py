@@ -231,6 +231,42 @@ def test_one_launch_row_tokens_draw_what_the_unfused_kernels_draw(dtype, vocab, 
                 assert got_policy is None and torch.equal(got, logits.argmax(-1))
 
 
+@pytest.mark.gpu  # and on CPU machines through Triton's interpreter
+@needs_triton
+def test_greedy_tokens_are_torch_argmax(kernel_device, monkeypatch):
+    """`greedy_tokens` (the drafter's drafts) == torch.argmax on both paths: one program per row for contiguous
+    small-vocabulary rows (ties: the first maximal entry; -inf rows; [N, P, V] blocks), torch's reduction for a
+    strided view and above ROW_PROGRAM_VOCAB."""
+    from dscale_runtime.kernels import triton_sampling
+    from dscale_runtime.sampling import greedy_tokens
+
+    device = kernel_device
+    gen = torch.Generator().manual_seed(12)
+    launched = []
+    real = triton_sampling.row_tokens_triton
+    monkeypatch.setattr(triton_sampling, "row_tokens_triton",
+                        lambda *a, **k: launched.append(a[0].shape) or real(*a, **k))
+    for dtype, shape in ((torch.bfloat16, (3, 15, 4096)), (torch.float32, (7, 3000)), (torch.float16, (2, 5, 777))):
+        logits = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+        flat = logits.view(-1, shape[-1])
+        flat[0, 7] = flat[0, 700] = flat[0].max() + 1  # a tie at the top: the first index
+        flat[1] = float("-inf")  # no finite entry: index 0, as torch
+        flat[2, :] = flat[2, 0]  # all equal
+        logits = logits.to(device)
+        got = greedy_tokens(logits, "triton")
+        assert got.dtype == torch.long and got.shape == shape[:-1]
+        assert torch.equal(got, logits.argmax(-1)), dtype
+        assert got.view(-1)[0] == 7 and got.view(-1)[2] == 0
+    assert len(launched) == 3
+    strided = (torch.randn(6, 2 * 1000, generator=gen)).to(device)[:, ::2]
+    big = torch.randn(3, 9000, generator=gen).to(device)
+    for logits in (strided, big):  # torch's argmax: no launch of the row kernel
+        assert torch.equal(greedy_tokens(logits, "triton"), logits.argmax(-1))
+    assert len(launched) == 3
+    ref = torch.randn(4, 100, generator=gen)
+    assert torch.equal(greedy_tokens(ref, "ref"), ref.argmax(-1)) and len(launched) == 3
+
+
 def test_policy_applies_temperature_top_k_and_top_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]])
     rows = SamplingRows(torch.tensor([False, False]), torch.tensor([0.5, 1.0]), torch.tensor([2, -1]),

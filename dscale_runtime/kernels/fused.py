@@ -102,12 +102,15 @@ def add_rms_norm(
     eps: float,
     *,
     backend: str = "auto",
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (sum, normed) buffers [T, d]; the sum may be x
+    # (sum, normed) buffers [T, d] with unit feature stride, either None (a new tensor); the sum may be x
+    out: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # x + delta [T, d], rms_norm(x + delta) [T, d]
     """The residual add and the following RMSNorm (`add_rms_norm_ref`'s contract) in one pass."""
     if fused_backend(x, backend, delta, weight) == "ref":
-        total, normed = add_rms_norm_ref(x, delta, weight, eps)
-        return (total, normed) if out is None else (out[0].copy_(total), out[1].copy_(normed))
+        total_out, normed_out = out if out is not None else (None, None)
+        total = x + delta if total_out is None else torch.add(x, delta, out=total_out)
+        normed = rms_norm_ref(total, weight, eps)
+        return total, (normed if normed_out is None else normed_out.copy_(normed))
     from dscale_runtime.kernels.triton_fused import add_rms_norm_triton
 
     return add_rms_norm_triton(x, delta, weight, eps, out=out)
@@ -158,6 +161,37 @@ def qkv_norm_rope_store(
 
     return qkv_norm_rope_store_triton(qkv, num_q_heads, num_kv_heads, q_weight, k_weight, cos, sin, eps, slots,
                                       k_cache, v_cache)
+
+
+def kv_norm_rope_store_layers(
+    kv: torch.Tensor,  # [T, L * 2 Hkv * D]: per layer its k heads, then its v heads (one projection of every layer)
+    num_kv_heads: int,
+    k_weights: torch.Tensor,  # [L, D] each layer's k_norm
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    eps: float,
+    slots: torch.Tensor,  # [T] flat cache slots
+    k_caches: list[torch.Tensor],  # L x [num_slots, Hkv, D]
+    v_caches: list[torch.Tensor],
+    *,
+    backend: str = "auto",
+) -> None:
+    """`qkv_norm_rope_store` without q heads for L layers' K/V of the same rows (the drafter's context): each layer's
+    columns k_norm'ed, roped and stored into its caches. The Triton path takes one launch for all layers when their
+    caches are equally spaced views of one allocation (a `PagedKVCache`'s layers), else one per layer."""
+    width = kv.shape[1] // max(1, len(k_caches))
+    one = (fused_backend(kv, backend, k_weights, cos, sin) == "triton"
+           and all(c.dtype == kv.dtype for c in (*k_caches, *v_caches)))
+    if one:
+        from dscale_runtime.kernels.triton_fused import kv_norm_rope_store_layers_triton, layer_stride
+
+        one = layer_stride(k_caches) is not None and layer_stride(v_caches) is not None
+        if one:
+            kv_norm_rope_store_layers_triton(kv, num_kv_heads, k_weights, cos, sin, eps, slots, k_caches, v_caches)
+            return
+    for i, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches)):
+        qkv_norm_rope_store(kv[:, i * width:(i + 1) * width], 0, num_kv_heads, None, k_weights[i], cos, sin, eps, slots,
+                            k_cache, v_cache, backend=backend)
 
 
 def silu_mul(

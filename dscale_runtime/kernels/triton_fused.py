@@ -132,7 +132,9 @@ def _qkv_norm_rope_store_kernel(
     KCache, VCache,  # [slots, Hkv, D] each
     Slots,  # [T] the flat cache slot of each row
     num_q_heads, num_kv_heads, stride_xt, stride_ct, stride_st, stride_qt, stride_qh, stride_ks, stride_kh,
-    stride_vs, stride_vh, eps,
+    stride_vs, stride_vh,
+    stride_xl, stride_wl, stride_kl, stride_vl,  # layer l (grid axis 2; k, v only): X, KW, caches offset by l x these
+    eps,
     HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HEADS: tl.constexpr,  # heads per program, over the q heads then the k heads of a row
@@ -140,6 +142,11 @@ def _qkv_norm_rope_store_kernel(
     DTYPE: tl.constexpr = KCache.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(2).to(tl.int64)  # NOTE: 0 but for the drafter's context K/V of every layer in one launch
+    X += layer * stride_xl
+    KW += layer * stride_wl
+    KCache += layer * stride_kl
+    VCache += layer * stride_vl
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)  # [HEADS] q heads [0, Hq), then k heads
     is_q = heads < num_q_heads
     is_k = (heads >= num_q_heads) & (heads < num_q_heads + num_kv_heads)
@@ -298,7 +305,8 @@ def add_rms_norm_triton(
     delta: torch.Tensor,  # [T, d]
     weight: torch.Tensor,  # [d]
     eps: float,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (sum [T, d], normed [T, d]); the sum may be x
+    # (sum [T, d], normed [T, d]), either None (a new tensor); the sum may be x, or strided rows (unit feature stride)
+    out: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # x + delta [T, d], rms_norm(x + delta) [T, d]
     """The residual add and the next RMSNorm in one pass: the sum is rounded to the dtype, then normalised."""
     sum_out, norm_out = out if out is not None else (None, None)
@@ -373,8 +381,62 @@ def qkv_norm_rope_store_triton(
     _qkv_norm_rope_store_kernel[grid](
         qkv, q_weight, k_weight, cos, sin, q_buf, k_cache, v_cache, slots, num_q_heads, num_kv_heads, qkv.stride(0),
         cos.stride(0), sin.stride(0), q_buf.stride(0), q_buf.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), eps, **consts, **_LAUNCH)
+        v_cache.stride(0), v_cache.stride(1), 0, 0, 0, 0, eps, **consts, **_LAUNCH)
     return q_out
+
+
+def kv_norm_rope_store_layers_triton(
+    kv: torch.Tensor,  # [T, L * 2 Hkv * D]: per layer its k heads, then its v heads
+    num_kv_heads: int,
+    k_weights: torch.Tensor,  # [L, D] each layer's k_norm
+    cos: torch.Tensor,  # [T, D]
+    sin: torch.Tensor,  # [T, D]
+    eps: float,
+    slots: torch.Tensor,  # [T] int, flat cache slots (the same in every layer)
+    k_caches: list[torch.Tensor],  # L x [num_slots, Hkv, D], equally spaced in one allocation (`layer_stride`)
+    v_caches: list[torch.Tensor],
+) -> None:
+    """`qkv_norm_rope_store_triton` without q heads for L layers at once (the drafter's context K/V: one launch
+    instead of L), each layer's values those of the one-layer call. The caches must lie at one distance from
+    each other (`layer_stride`: the layers of one `PagedKVCache`)."""
+    num_layers, head_dim = k_weights.shape
+    num_rows = kv.shape[0]
+    width = 2 * num_kv_heads * head_dim
+    assert kv.dim() == 2 and kv.stride(-1) == 1 and kv.shape[1] == num_layers * width, (kv.shape, kv.stride())
+    assert len(k_caches) == len(v_caches) == num_layers and k_weights.stride(-1) == 1, (len(k_caches), num_layers)
+    k_stride, v_stride = layer_stride(k_caches), layer_stride(v_caches)
+    assert k_stride is not None and v_stride is not None, "the layers' caches are not equally spaced"
+    k_cache, v_cache = k_caches[0], v_caches[0]
+    assert k_cache.shape[1:] == v_cache.shape[1:] == (num_kv_heads, head_dim), (k_cache.shape, v_cache.shape)
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1, (k_cache.stride(), v_cache.stride())
+    assert slots.shape == (num_rows,) and not slots.dtype.is_floating_point, (slots.shape, slots.dtype)
+    _check(kv, k_weights, cos, sin, k_cache, v_cache)
+    assert cos.shape == sin.shape == (num_rows, head_dim), (cos.shape, sin.shape, kv.shape)
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    if num_rows == 0 or num_layers == 0:
+        return
+    consts = qk_norm_rope_config(num_kv_heads, head_dim)
+    grid = (num_rows, triton.cdiv(num_kv_heads, consts["HEADS"]), num_layers)
+    _qkv_norm_rope_store_kernel[grid](
+        kv, k_weights, k_weights, cos, sin, k_cache, k_cache, v_cache, slots, 0, num_kv_heads, kv.stride(0),
+        cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), width, k_weights.stride(0), k_stride, v_stride, eps, **consts, **_LAUNCH)
+
+
+def layer_stride(caches: list[torch.Tensor]) -> int | None:
+    """The distance in elements between consecutive layers' tensors of one shape, stride and dtype (the views of one
+    `PagedKVCache`), or None when they are not equally spaced or differ."""
+    first = caches[0]
+    if any(c.shape != first.shape or c.stride() != first.stride() or c.dtype != first.dtype
+           or c.device != first.device for c in caches):
+        return None
+    if len(caches) == 1:
+        return 0
+    size = first.element_size()
+    gaps = {(b.data_ptr() - a.data_ptr()) for a, b in zip(caches, caches[1:])}
+    gap = gaps.pop()
+    return gap // size if not gaps and gap % size == 0 else None
 
 
 def silu_mul_triton(

@@ -212,12 +212,19 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp.fuse_projections()
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: KVLayerCache,
-                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                delta: torch.Tensor | None = None,
+                into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream x [T, d] (plus the previous layer's pending output `delta`, added here in the
         same pass as this layer's input norm) -> (residual stream, this layer's pending MLP output): the
-        layer's output is their sum, left to the next layer (or the caller) to add."""
+        layer's output is their sum, left to the next layer (or the caller) to add. `into` [T, d] (any row
+        stride): where that sum, the previous layer's output, is written (a captured layer's features)."""
         norm, backend = self.input_layernorm, self.kernels.fused
-        x, h = (x, norm(x)) if delta is None else fused.add_rms_norm(x, delta, norm.weight, norm.eps, backend=backend)
+        if delta is None:
+            assert into is None, "the first layer's input is the embedding: nothing to capture"
+            x, h = x, norm(x)
+        else:
+            x, h = fused.add_rms_norm(x, delta, norm.weight, norm.eps, backend=backend,
+                                      out=None if into is None else (into, None))
         norm = self.post_attention_layernorm
         x, h = fused.add_rms_norm(x, self.self_attn(h, meta, cache), norm.weight, norm.eps, backend=backend)
         return x, self.mlp(h)
