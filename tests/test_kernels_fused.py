@@ -290,7 +290,8 @@ def test_interpreter_kv_store_of_every_layer_in_one_launch(interpreter, dtype):
         assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
         spread = [torch.full((5, num_slots, kv_heads, head_dim), 7.0, dtype=dtype) for _ in range(2)]
         apart = [[c[0], c[1], c[3]] for c in spread]  # NOTE: unequal distances
-        assert tf.layer_stride(apart[0]) is None
+        assert tf.layer_stride(apart[0]) is None and tf.layer_stride([spread[0][1]] * 3) is None  # overlapping
+        assert tf.layer_stride([c.k for c in got.layers]) == got.k[0].numel()
         kv_norm_rope_store_layers(kv, kv_heads, k_weights, cos, sin, EPS, slots, *apart, backend="triton")
         assert len(launches) == 1 + layers
         assert all(torch.equal(apart[0][i], want.k[i]) and torch.equal(apart[1][i], want.v[i]) for i in range(layers))

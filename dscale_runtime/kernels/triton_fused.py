@@ -426,7 +426,7 @@ def kv_norm_rope_store_layers_triton(
 
 def layer_stride(caches: list[torch.Tensor]) -> int | None:
     """The distance in elements between consecutive layers' tensors of one shape, stride and dtype (the views of one
-    `PagedKVCache`), or None when they are not equally spaced or differ."""
+    `PagedKVCache`), or None when they are not equally spaced, overlap, or differ."""
     first = caches[0]
     if any(c.shape != first.shape or c.stride() != first.stride() or c.dtype != first.dtype
            or c.device != first.device for c in caches):
@@ -436,7 +436,9 @@ def layer_stride(caches: list[torch.Tensor]) -> int | None:
     size = first.element_size()
     gaps = {(b.data_ptr() - a.data_ptr()) for a, b in zip(caches, caches[1:])}
     gap = gaps.pop()
-    return gap // size if not gaps and gap % size == 0 else None
+    span = sum((n - 1) * st for n, st in zip(first.shape, first.stride())) + 1  # elements one layer's tensor covers
+    # NOTE: layers that overlap (one tensor named twice) would race in one launch: None
+    return gap // size if not gaps and gap % size == 0 and abs(gap // size) >= span else None
 
 
 def silu_mul_triton(
