@@ -78,6 +78,7 @@ class StepKind:
 # request's current state, 0 where the device state is newer (a step of it launched but not yet committed).
 INT_FIELDS = ("anchor", "ctx", "live", "seed_lo", "seed_hi", "top_k", "rule", "slot", "host")
 FLOAT_FIELDS = ("temperature", "top_p")
+SAMPLING_COLUMNS = 2  # the staged [B, 2] sampling feature columns after the float fields (`sampling_columns`)
 
 
 class _Staging:
@@ -110,7 +111,8 @@ class StepBuffers:
         self.num_context, self.dummy_slot, self.bounded = num_context, dummy_slot, bounded
         self.ctx_bound: int | None = None  # host bound of the staged step's longest start ctx (`fill`), if known
         b = size
-        self.n_int, self.n_float = size * (len(INT_FIELDS) + max_pages) + 1, size * (len(FLOAT_FIELDS) + num_context)
+        self.n_int = size * len(INT_FIELDS) + (size + 1) * max_pages + 1  # NOTE: tables + the scratch row, budget
+        self.n_float = size * (len(FLOAT_FIELDS) + SAMPLING_COLUMNS + num_context)
         on_cpu = device.type == "cpu"
         self.stagings = [_Staging(self.n_int, self.n_float, not on_cpu) for _ in range(1 if on_cpu else 2)]
         self._turn = 0
@@ -120,12 +122,15 @@ class StepBuffers:
         for i, name in enumerate(INT_FIELDS):
             setattr(self, name, self.dev_int[i * b : (i + 1) * b])
         start = len(INT_FIELDS) * b
-        self.block_tables = self.dev_int[start : start + b * max_pages].view(b, max_pages)
+        # NOTE: a last row on the scratch page, never written (the packed layout's pseudo request reads it)
+        self.tables_with_scratch = self.dev_int[start : start + (b + 1) * max_pages].view(b + 1, max_pages)
+        self.block_tables = self.tables_with_scratch[:b]
         self.budget = self.dev_int[-1]
         for i, name in enumerate(FLOAT_FIELDS):
             setattr(self, name, self.dev_float[i * b : (i + 1) * b])
         start = len(FLOAT_FIELDS) * b
-        self.context = self.dev_float[start:].view(b, num_context)
+        self.sampling_feature = self.dev_float[start : start + b * SAMPLING_COLUMNS].view(b, SAMPLING_COLUMNS)
+        self.context = self.dev_float[start + b * SAMPLING_COLUMNS :].view(b, num_context)
 
     def fill(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
              budget: int, context: np.ndarray | None, slots: list[int] | None = None,
@@ -147,7 +152,7 @@ class StepBuffers:
         if staging.pending:  # NOTE: its previous copy must have left before it is overwritten
             staging.copied.synchronize()
         ints, floats = staging.np_int, staging.np_float
-        ints[: f * b + b * self.max_pages].fill(0)  # NOTE: SCRATCH_PAGE == 0: padding on scratch
+        ints[: f * b + (b + 1) * self.max_pages].fill(0)  # NOTE: SCRATCH_PAGE == 0: padding on scratch
         assert SCRATCH_PAGE == 0
         ints[0:n] = anchors
         ints[b : b + n] = ctx
@@ -160,6 +165,13 @@ class StepBuffers:
             floats[b : 2 * b].fill(1.0)
             floats[0:n] = cols[:, 4]
             floats[b : b + n] = cols[:, 5]
+        # NOTE: the predictor's sampling columns staged by the host (`sampling_columns`: no launch in the step)
+        staged_sampling = floats[len(FLOAT_FIELDS) * b : (len(FLOAT_FIELDS) + SAMPLING_COLUMNS) * b]
+        staged_sampling.fill(0.0)
+        if n:
+            staged_sampling = staged_sampling.reshape(b, SAMPLING_COLUMNS)
+            staged_sampling[:n, 0] = np.where(cols[:, 3] == RULE_GREEDY, 0.0, cols[:, 4])
+            staged_sampling[:n, 1] = cols[:, 3] == RULE_SAMPLED
         slot, flag = INT_FIELDS.index("slot") * b, INT_FIELDS.index("host") * b
         ints[slot : slot + b] = self.dummy_slot
         if slots is not None:
@@ -171,7 +183,7 @@ class StepBuffers:
         for i, table in enumerate(pages):
             tables[i, : len(table)] = table
         ints[-1] = budget
-        staged_context = floats[len(FLOAT_FIELDS) * b :].reshape(b, self.num_context)
+        staged_context = floats[(len(FLOAT_FIELDS) + SAMPLING_COLUMNS) * b :].reshape(b, self.num_context)
         staged_context.fill(0.0)
         if context is not None:
             staged_context[:n] = context
@@ -183,7 +195,13 @@ class StepBuffers:
 
     def sampling_columns(self, spec) -> torch.Tensor:
         """The feature spec's sampling columns [B, spec.num_sampling] of the staged requests: temperature (0 for
-        greedy rows: their staged temperature is a placeholder 1) and whether their drafts are sampled."""
+        greedy rows: their staged temperature is a placeholder 1) and whether their drafts are sampled, as
+        `sampling_features` defines them; staged by the host with the rest (`fill`), so no launch computes them.
+        (A request's parameters never change, so rows a step ahead of the host have theirs too.)"""
+        return self.sampling_feature[:, : spec.num_sampling]
+
+    def sampling_columns_ref(self, spec) -> torch.Tensor:
+        """`sampling_columns` computed on the device from the staged rule and temperature (the definition)."""
         greedy = self.rule == RULE_GREEDY
         return sampling_features(spec, torch.where(greedy, torch.zeros_like(self.temperature), self.temperature),
                                  self.rule == RULE_SAMPLED)
@@ -358,7 +376,7 @@ class BucketStep:
             query_starts = torch.cat([packed.verify_offsets, live_rows])
         # NOTE: max_q = W bounds the live requests; placeholders (num_rows > M_live) share local slots up to W - 1
         # (flat_pack), and the Triton kernels skip pseudo-request rows past W: their outputs are never read.
-        meta = packed_metadata(packed, buf.ctx, buf.block_tables, self.max_kv, w, kv_lens)
+        meta = packed_metadata(packed, buf.ctx, buf.tables_with_scratch, self.max_kv, w, kv_lens)
         meta.query_lens, meta.query_starts = query_lens, query_starts
         return Decision(lens, packed.verify_offsets, packed.token_ids, meta, features, packed_conditionals)
 

@@ -58,6 +58,51 @@ def test_default_buckets():
         EngineConfig(max_running_requests=8, graph_buckets=(1, 4))
 
 
+def test_staged_sampling_columns_are_the_feature_definition():
+    """The predictor's sampling columns, staged by the host with the step's inputs, equal `sampling_features` over
+    the staged rule and temperature (the device-side definition) for every rule, padding rows included, and after
+    a smaller batch reuses the buffers; a spec without sampling columns gets none."""
+    import numpy as np
+
+    from dscale_runtime.dvl.features import FeatureSpec
+    from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1, StepBuffers
+
+    buf = StepBuffers(6, 3, 8, 16, torch.device("cpu"))
+    spec = FeatureSpec(version="dscale-features-v3", num_positions=15)
+    rng = np.random.default_rng(0)
+    for n in (5, 2, 0, 6):
+        sampling = [(1, 2, int(rng.integers(-1, 50)), int(rng.choice([RULE_GREEDY, RULE_TOP1, RULE_SAMPLED])),
+                     float(rng.choice([1.0, 0.7, 1.3, 1e-3])), float(rng.uniform(0.5, 1.0))) for _ in range(n)]
+        buf.fill([3] * n, [10] * n, [[1]] * n, sampling, 0, None)
+        got, want = buf.sampling_columns(spec), buf.sampling_columns_ref(spec)
+        assert got.shape == want.shape == (6, spec.num_sampling) and torch.equal(got, want), n
+        assert torch.equal(got[n:], torch.zeros(6 - n, 2))  # padding rows: greedy, temperature column 0
+    blind = FeatureSpec(version="dscale-features-v1", num_positions=15)  # no sampling columns
+    assert buf.sampling_columns(blind).shape == buf.sampling_columns_ref(blind).shape == (6, 0)
+
+
+def test_staged_tables_keep_the_pseudo_requests_scratch_row():
+    """The step buffers' block tables carry one more row, on the scratch page, whatever was staged before: the
+    packed layout's metadata takes them as they are and equals the one that appends that row."""
+    from dscale_runtime.dvl.pack import flat_pack, packed_metadata
+    from dscale_runtime.kv_cache import SCRATCH_PAGE
+    from dscale_runtime.runner import StepBuffers
+
+    buf = StepBuffers(4, 3, 8, 16, torch.device("cpu"))
+    for n in (4, 2):
+        buf.fill([3] * n, [20] * n, [[5, 6, 7]] * n, [(1, 2, -1, 0, 1.0, 1.0)] * n, 0, None)
+        assert buf.tables_with_scratch.shape == (5, 3)
+        assert buf.block_tables.data_ptr() == buf.tables_with_scratch.data_ptr()
+        assert (buf.tables_with_scratch[-1] == SCRATCH_PAGE).all()
+        assert (buf.block_tables[:n] == torch.tensor([5, 6, 7])).all() and (buf.block_tables[n:] == SCRATCH_PAGE).all()
+        lens = torch.tensor([3, 1, 0, 2])
+        block = torch.arange(4 * 16).view(4, 16)
+        packed = flat_pack(lens, block, buf.ctx, buf.block_tables, 8, 16)
+        got = packed_metadata(packed, buf.ctx, buf.tables_with_scratch, 64, 16)
+        want = packed_metadata(packed, buf.ctx, buf.block_tables, 64, 16)
+        assert torch.equal(got.block_tables, want.block_tables) and torch.equal(got.kv_lens, want.kv_lens)
+
+
 @pytest.mark.parametrize("mode,config", [("target", {}), ("dflash", {}), ("dscale", {}),
                                          ("dscale", {"full_width_max_batch": 2})],
                          ids=["target", "dflash", "dscale", "dscale-full-width-2"])

@@ -65,9 +65,13 @@ def packed_metadata(packed: PackedBatch, ctx_lens: torch.Tensor, block_tables: t
     so building this needs no device-to-host read of the chosen lengths: a captured step passes its static
     width, an eager one the live context's (`StepBuffers.kv_width`; the portable path's cost follows it).
     `kv_lens` [N + 1]: the keys of each request and the pseudo request's one, where a kernel wrote them already
-    (`kernels/triton_pack.py`)."""
+    (`kernels/triton_pack.py`). `block_tables` [N, P] gets the pseudo request's row on the scratch page appended;
+    [N + 1, P] is taken as it is, its last row being that one (`StepBuffers.tables_with_scratch`: no launch)."""
     n = ctx_lens.shape[0]
-    tables = torch.cat([block_tables, torch.full_like(block_tables[:1], SCRATCH_PAGE)])
+    if block_tables.shape[0] == n + 1:
+        tables = block_tables
+    else:
+        tables = torch.cat([block_tables, torch.full_like(block_tables[:1], SCRATCH_PAGE)])
     if kv_lens is None:
         kv_lens = torch.cat([ctx_lens + packed.verify_lens, torch.ones_like(ctx_lens[:1])])
     assert tables.shape[0] == n + 1
