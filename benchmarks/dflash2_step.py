@@ -12,7 +12,8 @@ captured on CUDA (eager elsewhere):
   ratios `dflash2 / dflash1` (acceptance 5: <= 1.05 at N = 8, 16, 32) and `dscale/dflash` of each drafter;
   `--candidate-chunks C` adds DFlash 2 with its candidates' top-k over C vocabulary slices (`dflash2-cC`; 1: one
   torch.topk, the top-k before the sliced one became the default); `--conv-kernel tile` adds DFlash 2 with the
-  per-block-tile convolution kernel (`dflash2-tile`) and times both convolution kernels alone; `--decision-kernels`
+  per-block-tile convolution kernel (`dflash2-tile`) and times both convolution kernels alone; `--topk-kernel
+  triton` adds DFlash 2 with the one-launch top-k after the slice maxima (`dflash2-topk`); `--decision-kernels`
   adds both steps with the step's Triton kernels (`KernelChoice.decision`: `dflash-k`, `dscale-k`: metadata,
   acceptance and result rows, state; DScale's agreement columns, conditionals, allocation and flat pack), checked
   against the reference steps, and the ratio `dscale-k/dflash-k`;
@@ -68,18 +69,23 @@ def build_dflash2(bench: Bench, args, seed: int = 7) -> DFlash2DraftModel:
 
 CHUNKS: dict[str, int] = {}  # DFlash 2 drafter name -> its candidates' top-k slices (`candidate_chunks`)
 CONV: dict[str, str] = {}  # DFlash 2 drafter name -> its convolution kernel (`triton_conv.CONV_KERNEL`)
+TOPK: dict[str, str] = {}  # DFlash 2 drafter name -> its top-k after the slice maxima (`triton_conv.TOPK_KERNEL`)
 MODES = ["dflash", "dscale"]  # + 'dflash-k', 'dscale-k' with --decision-kernels
 
 
 def use_drafter(bench: Bench, drafter, name: str) -> None:
-    """The bench's drafter for the next runner: `name`'s module with `name`'s top-k slices and convolution kernel
-    (read when its steps are built: a captured step keeps them)."""
+    """The bench's drafter for the next runner: `name`'s module with `name`'s top-k slices, top-k kernel and
+    convolution kernel (read when its steps are built: a captured step keeps them)."""
     if name in CHUNKS:
         drafter.candidate_chunks = CHUNKS[name]
     if name in CONV:
         from dscale_runtime.kernels import triton_conv
 
         triton_conv.CONV_KERNEL = CONV[name]
+    if name in TOPK:
+        from dscale_runtime.kernels import triton_conv
+
+        triton_conv.TOPK_KERNEL = TOPK[name]
     bench.drafter = drafter
 
 
@@ -257,6 +263,9 @@ def parse_args(argv):
                         help=">= 1: also time DFlash 2 with its candidates' top-k over this many vocabulary slices "
                              "(`dflash2-cC`; 1 = one torch.topk; the default is candidate_chunks(V, k): 1,187 at "
                              "Qwen3's vocabulary)")
+    parser.add_argument("--topk-kernel", choices=("torch", "triton"), default="torch",
+                        help="triton: also time DFlash 2 with the one-launch top-k after the slice maxima "
+                             "(`dflash2-topk`)")
     parser.add_argument("--conv-kernel", choices=("row", "tile"), default="row",
                         help="tile: also time DFlash 2 with the per-block-tile convolution kernel (`dflash2-tile`) "
                              "and both kernels alone (CUDA)")
@@ -288,6 +297,9 @@ def main(argv=None) -> dict:
             CONV["dflash2"], CONV["dflash2-tile"] = "row", "tile"
             if bench.device.type == "cuda":
                 conv_section(bench, args, result)
+        if args.topk_kernel == "triton":  # NOTE: the same module, the other top-k after the slice maxima
+            drafters["dflash2-topk"] = drafters["dflash2"]
+            TOPK["dflash2"], TOPK["dflash2-topk"] = "torch", "triton"
         if args.candidate_chunks > 0:  # NOTE: the same module, another top-k setting
             drafters[f"dflash2-c{args.candidate_chunks}"] = drafters["dflash2"]
             CHUNKS[f"dflash2-c{args.candidate_chunks}"] = args.candidate_chunks

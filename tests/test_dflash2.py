@@ -367,14 +367,47 @@ def test_triton_slice_maxima_equal_amax(interpreter, dtype):
         assert torch.equal(tri[0], want[0]) and torch.equal(tri[1], want[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_slices_topk_equals_torch_topk(interpreter, dtype, monkeypatch):
+    """The one-launch top-k after the slice maxima (Triton's interpreter): torch.topk's values, largest first, at
+    distinct token ids holding them; ties go to the first slice picked, then the lowest column (two maximal
+    tokens: the lower id first); rows with fewer finite logits than k, a slice width that is not a power of two
+    and a slice count that is not (Qwen3's 1,187 over a vocabulary of 1,187 x 16). `candidate_topk` takes it on the
+    Triton path when `TOPK_KERNEL` says so, and torch's two top-k calls otherwise."""
+    from dscale_runtime.kernels import triton_conv
+
+    gen = torch.Generator().manual_seed(2)
+    for vocab, chunks, k in ((4096, 32, 16), (1200, 50, 8), (1187 * 16, 1187, 16)):
+        logits = (torch.randn(4, vocab, generator=gen) * 3).to(dtype)
+        logits[0, 700] = logits[0, 70] = logits[0].max() + 1  # a tie at the top, in two slices
+        logits[1, :] = float("-inf")
+        logits[1, [5, vocab - 1, vocab // 2]] = torch.tensor([1.0, 3.0, 2.0], dtype=dtype)  # 3 finite logits < k
+        logits[2] = (logits[2] * 2).round() / 2  # many equal values around the k-th
+        maxima = triton_conv.slice_max_triton(logits, chunks)
+        values, ids = triton_conv.slices_topk_triton(logits, maxima, k)
+        assert torch.equal(values, logits.topk(k, dim=-1).values), (vocab, k)
+        assert torch.equal(logits.gather(1, ids), values) and all(len(set(r.tolist())) == k for r in ids)
+        assert ids[0, :2].tolist() == [70, 700] and ids[1, :3].tolist() == [vocab - 1, vocab // 2, 5]
+        monkeypatch.setattr(triton_conv, "TOPK_KERNEL", "triton")
+        routed = candidate_topk(logits, k, chunks, backend="triton")
+        assert torch.equal(routed[0], values) and torch.equal(routed[1], ids)
+        monkeypatch.setattr(triton_conv, "TOPK_KERNEL", "torch")
+        assert torch.equal(candidate_topk(logits, k, chunks, backend="triton")[0], values)
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["ref", "triton"])
+@pytest.mark.parametrize("backend", ["ref", "triton", "triton-topk"])
 @pytest.mark.parametrize("rows", [120, 480])
-def test_candidate_topk_over_slices_captured_at_qwen3_vocabulary(rows, backend):
-    """At Qwen3's vocabulary (1,187 slices) and the draft rows of N = 8 / 32, bf16, with torch's slice maxima and
-    the Triton ones: replayed from a CUDA graph over new logits, the sliced top-k equals its eager call and
-    torch.topk's values."""
+def test_candidate_topk_over_slices_captured_at_qwen3_vocabulary(rows, backend, monkeypatch):
+    """At Qwen3's vocabulary (1,187 slices) and the draft rows of N = 8 / 32, bf16, with torch's slice maxima, the
+    Triton ones, and the Triton ones with the one-launch top-k after them: replayed from a CUDA graph over new
+    logits, the sliced top-k equals its eager call and torch.topk's values."""
+    if backend == "triton-topk":
+        from dscale_runtime.kernels import triton_conv
+
+        monkeypatch.setattr(triton_conv, "TOPK_KERNEL", "triton")
+        backend = "triton"
     vocab = 151936
     chunks = candidate_chunks(vocab, 16)
     gen = torch.Generator(device="cuda").manual_seed(rows)
@@ -570,7 +603,7 @@ def test_drafter_with_triton_convolutions_matches_the_reference_path(pair2, inte
 
 
 def test_dflash2_kernels_build_for_sm90_without_spills():
-    """The convolution and slice-maxima kernels compiled for sm_90 without a GPU (Triton's bundled ptxas), at
+    """The convolution, slice-maxima and slice top-k kernels compiled for sm_90 without a GPU (Triton's bundled ptxas), at
     Qwen3-8B's width and vocabulary slices and the demo's: what the interpreter tests cannot check (it runs code
     the compiler refuses, e.g. a constexpr reassigned in a static_range)."""
     from dscale_runtime.kernels.choice import triton_available
@@ -587,7 +620,7 @@ for dtype, d, group, width in [(torch.bfloat16, 4096, 128, 128), (torch.float32,
     for kernel in compile_offline(dtype, d, 4, group, width):
         print(str(dtype).split(".")[1], d, stack_usage(kernel))
 """)
-    assert len(lines) == 9 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
+    assert len(lines) == 12 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
 
 
 @pytest.mark.gpu

@@ -36,6 +36,11 @@ TILE_COLUMNS = 128  # channels per program of the tile kernel (its tile: the blo
 # block and 128 channels: base taps once per block, the block's rows once from memory). NOTE: 'tile' is not yet
 # timed on the GPU; `benchmarks/dflash2_step.py --conv-kernel tile` times it beside 'row'.
 CONV_KERNEL = "row"
+# DFlash 2's candidates over vocabulary slices after the slice maxima (`dflash2.candidate_topk`, Triton path): 'torch'
+# (two torch.topk calls, 0.095 ms of radix select at Qwen3-8B shape, N = 32, on the H200, and the slices' gather) or
+# 'triton' (`slices_topk_triton`, one launch). NOTE: 'triton' is not yet timed on the GPU; `benchmarks/dflash2_step.py
+# --topk-kernel triton` times it beside 'torch'.
+TOPK_KERNEL = "torch"
 
 
 @triton.jit
@@ -94,6 +99,46 @@ def _slice_max_kernel(x_ptr, out_ptr, row_stride, chunks, width, SLICES: tl.cons
     v = tl.load(x_ptr + row * row_stride + at[:, None] * width + cols[None, :],
                 mask=ok[:, None] & (cols[None, :] < width), other=float("-inf"))
     tl.store(out_ptr + row * chunks + at, tl.max(v, axis=1), mask=ok)
+
+
+@triton.jit
+def _pick(x, alive, offs, BIG: tl.constexpr):
+    """The position of the largest alive entry of x (the first among equals; the first alive one where the row's
+    alive entries are all NaN) -> (its value, its position)."""
+    m = tl.max(tl.where(alive, x, float("-inf")), 0)
+    at = tl.min(tl.where(alive & (x >= m), offs, BIG), 0)
+    at = tl.where(at == BIG, tl.min(tl.where(alive, offs, BIG), 0), at)
+    return tl.max(tl.where(offs == at, x, float("-inf")), 0), at
+
+
+@triton.jit
+def _slices_topk_kernel(maxima_ptr, x_ptr, values_ptr, ids_ptr, row_stride, chunks, width, K: tl.constexpr,
+                        CHUNKS: tl.constexpr, WIDTH: tl.constexpr):
+    """One row: the K slices of largest maxima (the first among equals), then the K largest of their K x width
+    entries, largest first, with their token ids; a chosen entry is never chosen again."""
+    row = tl.program_id(0).to(tl.int64)  # NOTE: rows x vocabulary may pass 2^31 elements
+    c = tl.arange(0, CHUNKS)
+    maxima = tl.load(maxima_ptr + row * chunks + c, mask=c < chunks, other=float("-inf")).to(tl.float32)
+    alive = c < chunks
+    k = tl.arange(0, K)
+    best = tl.zeros([K], dtype=tl.int64)
+    for i in tl.static_range(K):
+        _, at = _pick(maxima, alive, c, CHUNKS)
+        alive = alive & (c != at)
+        best = tl.where(k == i, at.to(tl.int64), best)
+    cols = tl.arange(0, WIDTH)
+    ok = (cols < width)[None, :] & (k < K)[:, None]
+    token = best[:, None] * width + cols[None, :]  # [K, WIDTH]
+    raw = tl.load(x_ptr + row * row_stride + token, mask=ok, other=float("-inf"))
+    flat = tl.reshape(raw.to(tl.float32), [K * WIDTH])
+    ids = tl.reshape(token, [K * WIDTH])
+    offs = tl.arange(0, K * WIDTH)
+    alive = tl.reshape(ok, [K * WIDTH])
+    for i in tl.static_range(K):
+        value, at = _pick(flat, alive, offs, K * WIDTH)
+        alive = alive & (offs != at)
+        tl.store(values_ptr + row * K + i, value.to(values_ptr.dtype.element_ty))
+        tl.store(ids_ptr + row * K + i, tl.max(tl.where(offs == at, ids, -1), 0))
 
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -155,9 +200,30 @@ def slice_max_triton(logits: torch.Tensor, chunks: int) -> torch.Tensor:
     return out
 
 
+def slices_topk_triton(logits: torch.Tensor, maxima: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits of each row [R, V] and their token ids, largest first, given each of its equal slices'
+    maximum [R, chunks] (`slice_max_triton`): the k slices of largest maxima, then the k largest of those slices'
+    entries, in one launch of a program per row (`dflash2.candidate_topk`'s two `torch.topk` calls, the gather of
+    the slices and the ids' arithmetic). The values are torch.topk's; among equal values the first slice picked,
+    then the lowest column, wins (torch.topk keeps any of them)."""
+    r, vocab = logits.shape
+    chunks = maxima.shape[1]
+    assert vocab % chunks == 0 and k <= chunks and logits.stride(1) == 1 and maxima.is_contiguous()
+    assert k & (k - 1) == 0, "k must be a power of two (a tile of k slices)"
+    require_interpreter_on_cpu(logits, "the Triton slice top-k", "fused")
+    values = torch.empty(r, k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(r, k, dtype=torch.long, device=logits.device)
+    if r == 0:
+        return values, ids
+    width = vocab // chunks
+    _slices_topk_kernel[(r,)](maxima, logits, values, ids, logits.stride(0), chunks, width, K=k,
+                              CHUNKS=triton.next_power_of_2(chunks), WIDTH=triton.next_power_of_2(width), num_warps=4)
+    return values, ids
+
+
 def compile_offline(dtype: torch.dtype, d: int = 4096, taps: int = 4, group: int = 128, slice_width: int = 128,
                     arch: int = 90) -> list:
-    """The kernels (both convolutions, the slice maxima) compiled for an NVIDIA target without a GPU
+    """The kernels (both convolutions, the slice maxima and top-k) compiled for an NVIDIA target without a GPU
     (`kernels.compile_for_gpu`), with the wrappers' launch options: a CI check of the compiled path, which Triton's
     interpreter does not make (it runs code the compiler refuses). Needs triton imported without TRITON_INTERPRET."""
     from dscale_runtime.kernels import compile_for_gpu
@@ -168,7 +234,9 @@ def compile_offline(dtype: torch.dtype, d: int = 4096, taps: int = 4, group: int
     tile = {"TAPS": taps, "GROUP": group, "SLOTS": 16, "COLS": min(TILE_COLUMNS, triton.next_power_of_2(d)),
             "DTYPE": _TL[dtype]}
     maxima = {"SLICES": SLICES_PER_PROGRAM, "WIDTH": triton.next_power_of_2(slice_width)}
+    topk = {"K": 16, "CHUNKS": 2048, "WIDTH": triton.next_power_of_2(slice_width)}  # Qwen3's 1,187 slices
     return [compile_for_gpu(_block_conv_kernel, conv, elem, 4, arch, **_LAUNCH),
             compile_for_gpu(_block_conv_tile_kernel, tile, elem, max(1, min(8, 16 * tile["COLS"] // 512)), arch,
                             **_LAUNCH),
-            compile_for_gpu(_slice_max_kernel, maxima, elem, 4, arch)]
+            compile_for_gpu(_slice_max_kernel, maxima, elem, 4, arch),
+            compile_for_gpu(_slices_topk_kernel, topk, {**elem, "ids_ptr": "*i64"}, 4, arch)]

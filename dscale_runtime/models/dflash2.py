@@ -200,9 +200,11 @@ def candidate_topk(logits: torch.Tensor, k: int, chunks: int = 1,
     width = vocab // chunks
     slices = logits.view(r, chunks, width)
     if fused_backend(logits, backend) == "triton" and logits.stride(1) == 1:
-        from dscale_runtime.kernels.triton_conv import slice_max_triton
+        from dscale_runtime.kernels import triton_conv
 
-        maxima = slice_max_triton(logits, chunks)
+        maxima = triton_conv.slice_max_triton(logits, chunks)
+        if triton_conv.TOPK_KERNEL == "triton" and k & (k - 1) == 0:  # NOTE: the rest in one launch (opt-in)
+            return triton_conv.slices_topk_triton(logits, maxima, k)
     else:
         maxima = slices.amax(dim=-1)
     _, best = maxima.topk(k, dim=-1)  # [R, k] the slices with the k largest maxima
