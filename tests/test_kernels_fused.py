@@ -584,6 +584,25 @@ def test_cuda_graph_capture_and_replay():
         assert torch.equal(outs["act"], silu_mul_ref(gate_up))
 
 
+def captured(call) -> "torch.cuda.CUDAGraph":
+    """`call` run once (it compiles outside the capture), then captured in a CUDA graph."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
+def refresh_rows(x: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seed: int) -> None:
+    """New projection rows, distinct slots among 4,096 and RoPE tables, in place (where a replay reads them)."""
+    gen = _gen(seed, "cuda")
+    x.copy_(randn(x.shape, x.dtype, gen, 3.0))
+    slots.copy_(torch.randperm(4096, generator=gen, device="cuda")[: slots.shape[0]])
+    new_cos, new_sin = rope_tables(x.shape[0], cos.shape[1], x.dtype, gen)
+    cos.copy_(new_cos), sin.copy_(new_sin)
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_kv_store_of_every_layer_captured_at_qwen3_8b_drafter_sizes():
@@ -607,17 +626,9 @@ def test_cuda_kv_store_of_every_layer_captured_at_qwen3_8b_drafter_sizes():
         tf.kv_norm_rope_store_layers_triton(kv, kv_heads, k_weights, cos, sin, EPS, slots, [c.k for c in cache.layers],
                                             [c.v for c in cache.layers])
 
-    one_call()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        one_call()
+    graph = captured(one_call)
     for seed in range(3):
-        gen = _gen(60 + seed, "cuda")
-        kv.copy_(randn(kv.shape, dtype, gen, 3.0))
-        slots.copy_(torch.randperm(4096, generator=gen, device="cuda")[:num_rows])
-        new_cos, new_sin = rope_tables(num_rows, head_dim, dtype, gen)
-        cos.copy_(new_cos), sin.copy_(new_sin)
+        refresh_rows(kv, slots, cos, sin, 60 + seed)
         want_k, want_v = cache.k.clone(), cache.v.clone()
         for i in range(layers):
             tf.qkv_norm_rope_store_triton(kv[:, i * width:(i + 1) * width], 0, kv_heads, None, k_weights[i], cos, sin,
@@ -654,17 +665,9 @@ def test_cuda_qkv_norm_rope_store_captured_at_qwen3_8b_sizes():
         v_cache[slots] = qkv[:, (heads + kv_heads) * head_dim :].reshape(num_rows, kv_heads, head_dim)
         return tf.qk_norm_rope_triton(q, q_weight, cos, sin, EPS)
 
-    fused_call()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused_call()
+    graph = captured(fused_call)
     for seed in range(3):
-        gen = _gen(50 + seed, "cuda")
-        qkv.copy_(randn(qkv.shape, dtype, gen, 3.0))
-        slots.copy_(torch.randperm(4096, generator=gen, device="cuda")[:num_rows])
-        new_cos, new_sin = rope_tables(num_rows, head_dim, dtype, gen)
-        cos.copy_(new_cos), sin.copy_(new_sin)
+        refresh_rows(qkv, slots, cos, sin, 50 + seed)
         want = [c.clone() for c in caches]
         want_q = per_op(*want)
         if seed % 2:
