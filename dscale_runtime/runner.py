@@ -352,19 +352,23 @@ class BucketStep:
         if kind.mode != "dscale":
             meta = self.full_width_metadata()  # NOTE: its query bounds are the full-width lens and offsets
             return Decision(meta.query_lens, meta.query_starts, block.reshape(-1), meta, features)
-        scores = r.predictor.scores(features)  # [B, W-1]
         if r.decision_backend == "triton":
-            # NOTE: the raw conditionals packed for the host and the calibrated scores in one launch (the reference's
-            # ~30), then the allocation and the flat pack with its metadata columns in two (the reference's ~70)
+            # NOTE: the artifact's calibration (if any), the raw conditionals packed for the host and the live map's
+            # scores in one launch (the reference's ~30, ~55 with an artifact map), then the allocation and the flat
+            # pack with its metadata columns in two (the reference's ~70)
             from dscale_runtime.kernels.triton_pack import allocate_triton, flat_pack_triton
             from dscale_runtime.kernels.triton_step import conditionals_triton
 
-            packed_conditionals, scores = conditionals_triton(scores.contiguous(), r.calibration_knots)
+            predictor = r.predictor
+            art = predictor.band_knots(features) if predictor.calibration_knots is not None else None
+            scores = predictor.uncalibrated_scores(features) if art is not None else predictor.scores(features)
+            packed_conditionals, scores = conditionals_triton(scores.contiguous(), r.calibration_knots, art)
             lens = allocate_triton(scores.float().contiguous(), buf.live, buf.budget, w)
             fields, query_lens, query_starts, kv_lens = flat_pack_triton(lens, block, buf.ctx, buf.block_tables,
                                                                          self.num_rows, buf.page_size)
             packed = PackedBatch(**fields)
         else:
+            scores = r.predictor.scores(features)  # [B, W-1]
             conditionals = conditional_scores(scores)  # [B, W-1] the raw map inputs, returned to the host's watch
             packed_conditionals = pack_unit(conditionals)
             if r.calibration_knots is not None:  # NOTE: the live map, a fixed-address tensor the host rewrites

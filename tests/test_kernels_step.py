@@ -165,6 +165,22 @@ def check_conditionals(device: str = "cpu", exact: bool = True) -> None:
         want = calibrated_scores(conditionals, knots)
         assert torch.equal(calibrated, want) if exact else torch.allclose(calibrated, want, rtol=1e-6, atol=1e-7)
     assert (pack_unit(conditional_scores(scores))[5, 0] & (2**15 - 1)) == 16384  # NOTE: 16383.5 rounds to even
+    # the predictor's uncalibrated scores through its artifact's map first: one map for every row (a stride-0 view,
+    # as `band_knots` gives for one band) or a map per row (several bands), then with or without the live map
+    gen = torch.Generator().manual_seed(5)
+    bands = torch.cumsum(torch.rand(3, W - 1, 5, generator=gen), 2)
+    bands = ((bands - bands[..., :1]) / (bands[..., -1:] - bands[..., :1])).to(device)
+    band = torch.randint(0, 3, (scores.shape[0],), generator=gen).to(device)
+    for art in (bands[1].expand(scores.shape[0], -1, -1), bands.index_select(0, band)):
+        first = calibrated_scores(conditional_scores(scores), art)  # `AcceptancePredictor.scores`
+        for knots in maps:
+            packed, calibrated = conditionals_triton(scores, knots, art)
+            conditionals = conditional_scores(first)
+            want = first if knots is None else calibrated_scores(conditionals, knots)
+            if exact:
+                assert torch.equal(packed, pack_unit(conditionals)) and torch.equal(calibrated, want)
+            else:  # NOTE: torch's CUDA cumprod rounds otherwise: the packed words may differ in the last unit
+                assert torch.allclose(calibrated, want, rtol=1e-6, atol=1e-7)
 
 
 @needs_triton
@@ -185,7 +201,7 @@ for batch in (8, 256):
     for kernel in compile_offline(batch):
         print(batch, stack_usage(kernel))
 """)
-    assert len(lines) == 6 and all(line.endswith(("STACK:0", "?")) for line in lines), lines
+    assert len(lines) == 6 and all(line.endswith(("STACK:0", "?")) for line in lines), lines  # artifact map on
 
 
 @pytest.mark.gpu
@@ -238,13 +254,21 @@ def test_engine_steps_through_the_step_kernels_equal_the_reference(  # noqa: F81
 
 
 @needs_triton
+@pytest.mark.parametrize("artifact_map", [False, True], ids=["", "artifact-map"])
 def test_dscale_engine_with_live_calibration_and_retention_through_the_step_kernels(interpreter, pair,  # noqa: F811
-                                                                                     predictors):  # noqa: F811
+                                                                                     predictors,  # noqa: F811
+                                                                                     artifact_map, monkeypatch):
     """DScale with the live map refreshed from its steps (the conditionals kernel's calibrated scores) and
     retention measured (the full-width count in the result row): the kernels' engine decides and decodes as the
-    reference's, step for step, and its output equals target-only's."""
+    reference's, step for step, and its output equals target-only's. With an artifact calibration of two
+    temperature bands, the kernel maps the predictor's uncalibrated scores itself, as `scores` does."""
+    from dscale_runtime.kernels import triton_step
     from test_engine_dscale import dscale_engine
 
+    mapped = []
+    kernel = triton_step.conditionals_triton
+    monkeypatch.setattr(triton_step, "conditionals_triton",
+                        lambda scores, knots, art=None: mapped.append(art is not None) or kernel(scores, knots, art))
     prompts, _ = prompt_set(10, seed=5)
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     continuations = make_engine(pair, "target").generate(prompts, long)
@@ -256,9 +280,14 @@ def test_dscale_engine_with_live_calibration_and_retention_through_the_step_kern
                                measure_retention=True, keep_history=True,
                                continuations={str(i): o.token_ids for i, o in enumerate(continuations)})
         engine.runner.decision_backend = backend
+        if artifact_map:  # NOTE: a map that lowers every conditional (greedy requests: band 0 of two)
+            grid = torch.linspace(0, 1, 9)
+            knots = torch.stack([grid**2, grid]).unsqueeze(1).expand(2, W - 1, 9).contiguous()
+            engine.runner.predictor.set_calibration([0.0, 1.0], knots)
         outputs = engine.generate(prompts, params)
         assert engine.calibration.version >= 2  # NOTE: the map changed during the run
         runs.append((outputs, [(s.accepted_lens, s.verify_lens, s.full_accepted) for s in engine.counters.history]))
     assert runs[1][1] == runs[0][1]
     assert_same(runs[1][0], make_engine(pair, "target").generate(prompts, params))
     assert len({k for _, lens, _ in runs[1][1] for k in lens}) > 3
+    assert mapped and set(mapped) == {artifact_map}  # the kernel mapped the uncalibrated scores itself

@@ -191,19 +191,46 @@ def accept_triton(target_tokens: torch.Tensor, block: torch.Tensor, lens: torch.
 
 
 @triton.jit
-def _conditionals_kernel(scores_ptr, knots_ptr, packed_ptr, calibrated_ptr, n, P: tl.constexpr, K: tl.constexpr,
-                         WORDS: tl.constexpr, UNIT: tl.constexpr, PER_WORD: tl.constexpr, RB: tl.constexpr,
-                         CALIBRATE: tl.constexpr):
+def _mapped(x, knots_ptr, valid, K: tl.constexpr):
+    """A conditional x in [0, 1] through a map of K + 1 knots (`calibration.mapped_conditionals`'s arithmetic)."""
+    t = x * K
+    left = tl.minimum(tl.maximum(tl.floor(t), 0.0), K - 1.0)
+    part = t - left
+    lo = tl.load(knots_ptr + left.to(tl.int32), mask=valid, other=0.0)
+    hi = tl.load(knots_ptr + left.to(tl.int32) + 1, mask=valid, other=0.0)
+    return lo + part * (hi - lo)
+
+
+@triton.jit
+def _conditional(s, before):
+    """s_j / s_{j-1}, 0 where s_{j-1} = 0, in [0, 1] (`calibration.conditional_scores`; IEEE division)."""
+    x = tl.where(before > 0, tl.math.div_rn(s, tl.maximum(before, 1e-30)), 0.0)  # NOTE: not Triton's approximate `/`
+    return tl.minimum(tl.maximum(x, 0.0), 1.0)
+
+
+@triton.jit
+def _conditionals_kernel(scores_ptr, knots_ptr, packed_ptr, calibrated_ptr, art_ptr, art_row, n, P: tl.constexpr,
+                         K: tl.constexpr, KA: tl.constexpr, WORDS: tl.constexpr, UNIT: tl.constexpr,
+                         PER_WORD: tl.constexpr, RB: tl.constexpr, CALIBRATE: tl.constexpr, ARTIFACT: tl.constexpr):
     rows = tl.program_id(0) * RB + tl.arange(0, RB)
     valid = rows < n
     top = (1 << UNIT) - 1
     before = tl.full([RB], 1.0, tl.float32)
+    raw_before = tl.full([RB], 1.0, tl.float32)
     product = tl.full([RB], 1.0, tl.float64)  # NOTE: torch's CPU cumprod accumulates fp32 in fp64
+    art_product = tl.full([RB], 1.0, tl.float64)
     word = tl.zeros([RB], dtype=tl.int64)
     for j in tl.static_range(P):
         s = tl.load(scores_ptr + rows * P + j, mask=valid, other=0.0).to(tl.float32)
-        x = tl.where(before > 0, tl.math.div_rn(s, tl.maximum(before, 1e-30)), 0.0)  # NOTE: IEEE, not Triton's `/`
-        x = tl.minimum(tl.maximum(x, 0.0), 1.0)
+        if ARTIFACT:  # NOTE: the predictor's uncalibrated score through its artifact's map first (`scores`)
+            raw_x = _conditional(s, raw_before)
+            raw_before = s
+            art_product = art_product * _mapped(raw_x, art_ptr + rows.to(tl.int64) * art_row + j * (KA + 1), valid,
+                                                KA).to(tl.float64)
+            s = art_product.to(tl.float32)
+            if not CALIBRATE:
+                tl.store(calibrated_ptr + rows * P + j, s, mask=valid)
+        x = _conditional(s, before)
         before = s
         # 15 bits, round half to even (torch.round): v - floor(v) is exact below 2^15
         v = x * top
@@ -218,33 +245,43 @@ def _conditionals_kernel(scores_ptr, knots_ptr, packed_ptr, calibrated_ptr, n, P
         if (j % PER_WORD == PER_WORD - 1) or (j == P - 1):
             tl.store(packed_ptr + rows * WORDS + j // PER_WORD, word, mask=valid)
         if CALIBRATE:
-            t = x * K
-            left = tl.minimum(tl.maximum(tl.floor(t), 0.0), K - 1.0)
-            part = t - left
-            lo = tl.load(knots_ptr + j * (K + 1) + left.to(tl.int32), mask=valid, other=0.0)
-            hi = tl.load(knots_ptr + j * (K + 1) + left.to(tl.int32) + 1, mask=valid, other=0.0)
-            product = product * (lo + part * (hi - lo)).to(tl.float64)
+            product = product * _mapped(x, knots_ptr + j * (K + 1), valid, K).to(tl.float64)
             tl.store(calibrated_ptr + rows * P + j, product.to(tl.float32), mask=valid)
 
 
-def conditionals_triton(scores: torch.Tensor, knots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def conditionals_triton(scores: torch.Tensor, knots: torch.Tensor | None,
+                        artifact_knots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DScale's step after the predictor's scores [N, P] (non-increasing, in [0, 1]) in one launch -> (the raw
     conditionals packed for the host, [N, ceil(P / 4)] int64 = `pack_unit(conditional_scores(scores))`; the
     scores the allocation reads: `calibrated_scores(conditionals, knots)` [N, P] float32 with the live map `knots`
-    [P, K + 1] float32, else `scores` itself)."""
+    [P, K + 1] float32, else `scores` itself).
+
+    With `artifact_knots` [N, P, K_a + 1] float32 (each row's map, any row stride: `AcceptancePredictor.band_knots`,
+    a stride of 0 for one band), `scores` are the predictor's uncalibrated ones, and the scores above are those that
+    `AcceptancePredictor.scores` makes of them first, `calibrated_scores(conditional_scores(scores), artifact_knots)`
+    (the ~25 launches of the artifact's calibration, in this one)."""
     n, p = scores.shape
     assert scores.is_contiguous() and scores.dtype in (torch.float32, torch.float16, torch.bfloat16)
     require_interpreter_on_cpu(scores, "the Triton conditionals", "decision")
     words = -(-p // UNITS_PER_WORD)
     packed = torch.empty(n, words, dtype=torch.int64, device=scores.device)
-    calibrated = torch.empty(n, p, dtype=torch.float32, device=scores.device) if knots is not None else scores
+    mapped = knots is not None or artifact_knots is not None
+    calibrated = torch.empty(n, p, dtype=torch.float32, device=scores.device) if mapped else scores
     if knots is not None:
         assert knots.shape[0] == p and knots.dtype == torch.float32 and knots.is_contiguous(), knots.shape
+    if artifact_knots is not None:
+        assert artifact_knots.shape[:2] == (n, p) and artifact_knots.dtype == torch.float32, artifact_knots.shape
+        assert artifact_knots.stride(2) == 1 and artifact_knots.stride(1) == artifact_knots.shape[2], \
+            "artifact_knots: each row's map [P, K + 1] contiguous"
     if n:
         _conditionals_kernel[(triton.cdiv(n, SCORE_ROWS),)](
-            scores, knots if knots is not None else scores, packed, calibrated, n, P=p,
-            K=knots.shape[1] - 1 if knots is not None else 1, WORDS=words, UNIT=UNIT_BITS, PER_WORD=UNITS_PER_WORD,
-            RB=SCORE_ROWS, CALIBRATE=knots is not None, num_warps=1, enable_fp_fusion=False)
+            scores, knots if knots is not None else scores, packed, calibrated,
+            artifact_knots if artifact_knots is not None else scores,
+            artifact_knots.stride(0) if artifact_knots is not None else 0, n, P=p,
+            K=knots.shape[1] - 1 if knots is not None else 1,
+            KA=artifact_knots.shape[2] - 1 if artifact_knots is not None else 1, WORDS=words, UNIT=UNIT_BITS,
+            PER_WORD=UNITS_PER_WORD, RB=SCORE_ROWS, CALIBRATE=knots is not None,
+            ARTIFACT=artifact_knots is not None, num_warps=1, enable_fp_fusion=False)
     return packed, calibrated
 
 
@@ -258,8 +295,8 @@ def compile_offline(batch: int = 32, block_size: int = 16, knots: int = 9, arch:
     words = -(-p // UNITS_PER_WORD)
     accept = {"W": block_size, "WB": wb, "RB": ROWS, "GIVEN": False, "KEEP": True, "FULL": False, "EXTRA": words,
               "EB": triton.next_power_of_2(words)}
-    conditionals = {"P": p, "K": knots - 1, "WORDS": words, "UNIT": UNIT_BITS, "PER_WORD": UNITS_PER_WORD,
-                    "RB": SCORE_ROWS, "CALIBRATE": True}
+    conditionals = {"P": p, "K": knots - 1, "KA": knots - 1, "WORDS": words, "UNIT": UNIT_BITS,
+                    "PER_WORD": UNITS_PER_WORD, "RB": SCORE_ROWS, "CALIBRATE": True, "ARTIFACT": True}
     return [compile_for_gpu(_block_metadata_kernel, {"W": block_size, "RB": ROWS, "BLOCK": True}, {"*": "*i64"}, 4,
                             arch),
             compile_for_gpu(_accept_kernel, accept, {"*": "*i64"}, 4, arch),
