@@ -63,11 +63,13 @@ def decision_kernels(value: str | None):
 
 def build_named(name: str, concurrency: int, args) -> Engine:
     """`--modes` entries: target, dflash, dscale over the DFlash 1 drafter; dflash2, dscale2 over `drafter2/` (the
-    DFlash 2 drafter, DScale with `--predictor2`); a `-k` suffix (`dflash-k`, ...) builds that engine with the step's
-    Triton kernels (`KernelChoice.decision='triton'`), the others as the environment says (the default: 'ref')."""
-    if name.endswith("-k"):
-        with decision_kernels("triton"):
-            return build_named(name.removesuffix("-k"), concurrency, args)
+    DFlash 2 drafter, DScale with `--predictor2`); a `-ref` suffix (`dflash-ref`, ...) builds that engine with the
+    step's index work on the torch reference (`KernelChoice.decision='ref'`), a `-k` suffix with its Triton kernels
+    ('triton', the auto rule's choice on CUDA since 2026-12-05), the others as the environment says."""
+    for suffix, value in (("-k", "triton"), ("-ref", "ref")):
+        if name.endswith(suffix):
+            with decision_kernels(value):
+                return build_named(name.removesuffix(suffix), concurrency, args)
     if name.endswith("2"):
         return build(name[:-1], concurrency, args.dtype, args.predictor2, args.step_graphs, drafter="drafter2")
     return build(name, concurrency, args.dtype, args.predictor, args.step_graphs)

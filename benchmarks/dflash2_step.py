@@ -118,11 +118,12 @@ def conv_section(bench: Bench, args, result: dict) -> None:
 def step_result(bench: Bench, drafter, mode: str, n: int, sampling: str, graphs: bool, ratio: float,
                 name: str = ""):
     """One step's result tensor [n, 4 + W] on the host, and the runner (its first call builds the step). Modes
-    'dflash-k', 'dscale-k': the step with the step's Triton kernels (`KernelChoice.decision`)."""
+    'dflash-k', 'dscale-k': the step with the step's Triton kernels (`KernelChoice.decision`); beside them the plain
+    modes take the torch reference (`decision='ref'`; without `--decision-kernels`, the served choice)."""
     use_drafter(bench, drafter, name)
     runner = bench.runner(mode.removesuffix("-k"), ratio, graphs, [n])
-    if mode.endswith("-k"):
-        runner.decision_backend = "triton"
+    if "dflash-k" in MODES:  # NOTE: beside the `-k` steps the plain ones are the torch reference's
+        runner.decision_backend = "triton" if mode.endswith("-k") else "ref"
     mode = mode.removesuffix("-k")
     batch, kind = bench.batch(n, sampling), step_kind(mode, sampling, bench.sampled_rule)
     out = batch.run(runner, kind)

@@ -5,7 +5,7 @@
 #      (captured == eager, kernels == reference), in interleaved rounds, profiled (`dflash2_step.py`).
 #   2. The demo shape (launch-bound), N = 8 / 32: the same steps, interleaved, and profiled (launches per step).
 #   3. The demo pair through the public Engine (64 prompts x 128 tokens, ignore_eos, graphs on), c = 8 and 32:
-#      target / DFlash / DScale with and without the kernels in the same rounds (`demo_gpu_e2e.py`, `-k` modes),
+#      target / DFlash / DScale with the kernels (the default) and on the reference (`-ref` modes), same rounds,
 #      and DFlash / DScale admitting at once (`group1`) beside the default admission groups (4 at c = 32).
 # Usage: bash benchmarks/step_kernels_gpu.sh OUT_DIR   (under 10 minutes on an H200: each part has its own time bound)
 set -uo pipefail
@@ -29,7 +29,7 @@ run step_demo 85 python benchmarks/dflash2_step.py --shape demo --ns 8 32 --cont
   --decision-kernels --profile --out "$out/step_demo.json"
 for c in 32 8; do  # NOTE: one run per concurrency, c = 32 first (issue 24 acceptance 2 is open there)
   run "e2e_demo_c$c" 155 python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 --concurrency "$c" \
-    --step-graphs --repeats 4 --min-seconds 1 --modes target target-k dflash dflash-k dscale dscale-k \
+    --step-graphs --repeats 4 --min-seconds 1 --modes target-ref target dflash-ref dflash dscale-ref dscale \
     --admission-groups 1 --out "$out/e2e_demo_c$c.json"
 done
 exit "$status"

@@ -12,7 +12,7 @@ from markers import needs_triton
 import dscale_runtime.kernels.choice as choice
 from dscale_runtime.kernels import KernelChoice
 
-VARIABLES = ("DSCALE_ATTENTION", "DSCALE_ATTENTION_TILE", "DSCALE_FUSED", "DSCALE_FEATURES")
+VARIABLES = ("DSCALE_ATTENTION", "DSCALE_ATTENTION_TILE", "DSCALE_FUSED", "DSCALE_FEATURES", "DSCALE_DECISION")
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +22,7 @@ def clean_environment(monkeypatch):
 
 
 def _all(backend: str, tile: int | None = None) -> KernelChoice:
-    return KernelChoice(attention=backend, attention_tile=tile, fused=backend, features=backend)
+    return KernelChoice(attention=backend, attention_tile=tile, fused=backend, features=backend, decision=backend)
 
 
 def test_defaults_are_the_portable_references():
@@ -47,11 +47,15 @@ def test_environment_is_the_default_source(monkeypatch):
     monkeypatch.setenv("DSCALE_ATTENTION", "ref")
     monkeypatch.setenv("DSCALE_ATTENTION_TILE", "128")
     monkeypatch.setenv("DSCALE_FEATURES", "auto")
+    monkeypatch.setenv("DSCALE_DECISION", "ref")
     got = KernelChoice.resolve("cuda", torch.bfloat16)
-    assert got == KernelChoice(attention="ref", attention_tile=128, fused="triton", features="triton")
+    assert got == KernelChoice(attention="ref", attention_tile=128, fused="triton", features="triton", decision="ref")
     # Explicit options win over the environment; an empty variable counts as unset.
-    got = KernelChoice.resolve("cuda", torch.bfloat16, attention="triton", attention_tile=16, fused="ref")
-    assert got == KernelChoice(attention="triton", attention_tile=16, fused="ref", features="triton")
+    got = KernelChoice.resolve("cuda", torch.bfloat16, attention="triton", attention_tile=16, fused="ref",
+                               decision="triton")
+    assert got == KernelChoice(attention="triton", attention_tile=16, fused="ref", features="triton",
+                               decision="triton")
+    monkeypatch.setenv("DSCALE_DECISION", "")
     monkeypatch.setenv("DSCALE_ATTENTION", "")
     monkeypatch.setenv("DSCALE_ATTENTION_TILE", "")
     assert KernelChoice.resolve("cuda", torch.bfloat16) == _all("triton")

@@ -544,7 +544,7 @@ def test_cuda_target_resolves_the_triton_paths_and_matches_the_references(target
     equal those of the same model switched to the references (within fp32 reduction-order noise)."""
     folder, _, hf = target_pair
     model = load_target(folder, "float32", "cuda").fuse_projections()
-    assert model.kernels == KernelChoice(attention="triton", fused="triton", features="triton")
+    assert model.kernels == KernelChoice(attention="triton", fused="triton", features="triton", decision="triton")
     tokens = torch.randint(0, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(8))
     meta = build_metadata([11], [0], [[1, 2, 3]], PAGE, "cuda", causal=True)
 

@@ -231,13 +231,18 @@ def demo_engine(mode: str, graphs: bool, drafter: str = "drafter", **config) -> 
 
 @functools.cache
 def greedy_oracle() -> tuple[list[str], SamplingParams, list[list[int]]]:
-    """16 held-out prompts x 32 greedy tokens and captured target-only's tokens for them: the oracle of the policy
-    tests (computed once per process, by whichever test asks first)."""
+    """16 held-out prompts x 32 greedy tokens and captured target-only's tokens for them, its step's index work on
+    the torch reference (`DSCALE_DECISION=ref`; the served default takes the Triton kernels): the oracle of the
+    policy tests (computed once per process, by whichever test asks first)."""
     from dscale_runtime.demo.prompts import stdlib_prompts
 
     prompts = [p["prompt"] for p in stdlib_prompts()[:16]]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    return prompts, params, [o.token_ids for o in demo_engine("target", True).generate(prompts, params)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DSCALE_DECISION", "ref")
+        engine = demo_engine("target", True)
+        assert engine.runner.decision_backend == "ref"
+    return prompts, params, [o.token_ids for o in engine.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("mode", ["target", "dflash", "dscale"])
@@ -296,7 +301,7 @@ def test_captured_steps_through_the_step_kernels(mode, monkeypatch):
     """With the step's Triton kernels (`KernelChoice.decision='triton'`: metadata, acceptance and result rows, state,
     DScale's decision): greedy output equals captured target-only's on the reference kernels, and greedy, seeded
     T = 1 (sampled drafts) and T = 0.7 / top_p 0.8 requests decode the same tokens with graphs on and off."""
-    prompts, greedy, want = greedy_oracle()  # NOTE: before the variable is set: the reference kernels' oracle
+    prompts, greedy, want = greedy_oracle()  # NOTE: the reference kernels' oracle
     monkeypatch.setenv("DSCALE_DECISION", "triton")
     points = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)]
     params = [SamplingParams(temperature=points[i % 3][0], top_p=points[i % 3][1], max_tokens=greedy.max_tokens,

@@ -93,16 +93,15 @@ class KernelChoice:
         attention_tile: int | None = None,
         fused: str = "auto",
         features: str = "auto",
-        decision: str | None = None,
+        decision: str = "auto",
     ) -> "KernelChoice":
         """The choice for models of `dtype` on `device`. An option left at 'auto' (None for the tile) takes its
-        environment variable (DSCALE_ATTENTION, DSCALE_ATTENTION_TILE, DSCALE_FUSED, DSCALE_FEATURES) when that
-        is set and non-empty; what is still 'auto' then follows the auto rule (`auto_backend`). An explicit
-        'ref' or 'triton' wins over the environment. Bad values name the argument or variable to fix.
-        `decision` left at None takes DSCALE_DECISION, else 'ref': its Triton kernels are not the default
-        until they have been timed and tested on the GPU ('auto' asks for the auto rule)."""
-        asked = {"attention": attention, "fused": fused, "features": features,
-                 "decision": decision if decision is not None else os.environ.get(ENVIRONMENT["decision"]) or "ref"}
+        environment variable (DSCALE_ATTENTION, DSCALE_ATTENTION_TILE, DSCALE_FUSED, DSCALE_FEATURES,
+        DSCALE_DECISION) when that is set and non-empty; what is still 'auto' then follows the auto rule
+        (`auto_backend`). An explicit 'ref' or 'triton' wins over the environment. Bad values name the argument
+        or variable to fix. (`decision` follows the auto rule since its kernels were timed on the H200,
+        2026-12-05: docs/benchmarks.md.)"""
+        asked = {"attention": attention, "fused": fused, "features": features, "decision": decision}
         chosen = {}
         for option, value in asked.items():
             variable = ENVIRONMENT[option]
