@@ -361,7 +361,7 @@ class BucketStep:
 
             predictor = r.predictor
             art = predictor.band_knots(features) if predictor.calibration_knots is not None else None
-            scores = predictor.uncalibrated_scores(features) if art is not None else predictor.scores(features)
+            scores = predictor.uncalibrated_scores(features)  # NOTE: `scores` itself when the artifact has no map
             packed_conditionals, scores = conditionals_triton(scores.contiguous(), r.calibration_knots, art)
             lens = allocate_triton(scores.float().contiguous(), buf.live, buf.budget, w)
             fields, query_lens, query_starts, kv_lens = flat_pack_triton(lens, block, buf.ctx, buf.block_tables,
