@@ -8,6 +8,11 @@ Per point and server: the median tokens/s over the rounds and, per round, the se
 server's of that round and over target-only's of that round (the paired ratios: their median and range).
 Requests are dscale-bench's (`dscale_runtime.bench`: the same manifest, seeds, warmup and pass sizing).
 
+With `--core-sets` and `--pids` (Linux), the servers also trade CPU cores between rounds: in round r server i (and
+every thread of its process tree) runs on core set (i + r) mod the number of sets, so no server keeps the cores
+that a sibling hyperthread, an interrupt or the bench client slows (use a multiple of the server count as
+--rounds for an equal share).
+
     python benchmarks/serve_paired.py --servers target=http://127.0.0.1:8001,dscale=http://127.0.0.1:8002 \\
         --points "greedy:--temperature 0;t1:--temperature 1" --concurrency 1,8,32 --rounds 5 --pass-s 2 \\
         --out paired.json
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -51,6 +57,53 @@ def parse_points(text: str) -> dict[str, dict]:
     return points
 
 
+def cpu_list(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11} (the kernel's cpulist format, as taskset -c takes it)."""
+    cpus = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or int(last or first) < int(first):
+            raise ValueError(f"core set {text!r}: {part!r} is not a CPU number or an increasing range a-b")
+        cpus.update(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise ValueError(f"core set {text!r} names no CPU")
+    return cpus
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it (by /proc/<pid>/stat's parent ids), root first."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # NOTE: gone since the listing
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def pin_tree(root: int, cpus: set[int]) -> int:
+    """Every thread of `root`'s process tree onto `cpus`; returns how many threads were pinned."""
+    pinned = 0
+    for pid in process_tree(root):
+        try:
+            threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                os.sched_setaffinity(tid, cpus)
+                pinned += 1
+            except (ProcessLookupError, PermissionError):  # NOTE: a thread that ended meanwhile
+                continue
+    return pinned
+
+
 def one_pass(config: BenchConfig, url: str, model: str, c: int, measured: list[dict]) -> dict:
     before = read_counters(url)
     records = asyncio.run(closed_loop(url, model, measured, c, config.timeout, config.min_duration_s,
@@ -59,8 +112,13 @@ def one_pass(config: BenchConfig, url: str, model: str, c: int, measured: list[d
 
 
 def paired(servers: dict[str, str], points: dict[str, dict], levels: list[int], rounds: int, pass_s: float,
-           num_requests: int, warmup: int, max_tokens: int) -> list[dict]:
+           num_requests: int, warmup: int, max_tokens: int, pids: dict[str, int] | None = None,
+           core_sets: list[set[int]] | None = None) -> list[dict]:
+    """With `pids` and `core_sets`, round r pins server i to core set (i + r) mod len(core_sets) first."""
     names = list(servers)
+    if core_sets and (not pids or set(pids) != set(names) or len(core_sets) < len(names)):
+        raise ValueError(f"core rotation needs a pid for every server ({', '.join(names)}) and at least "
+                         f"{len(names)} core sets; got pids for {sorted(pids or {})} and {len(core_sets)} sets")
     models = {name: server_identity(url)[0] for name, url in servers.items()}
     rows = []
     for point, sampling in points.items():
@@ -71,7 +129,13 @@ def paired(servers: dict[str, str], points: dict[str, dict], levels: list[int], 
             for name in names:
                 asyncio.run(closed_loop(servers[name], models[name], warm, c, config.timeout))
             passes: dict[str, list[dict]] = {name: [] for name in names}
+            cores: dict[str, list[list[int]]] = {name: [] for name in names}
             for r in range(rounds):
+                for i, name in enumerate(names):
+                    if core_sets:
+                        cpus = core_sets[(i + r) % len(core_sets)]
+                        pin_tree(pids[name], cpus)
+                        cores[name].append(sorted(cpus))
                 for name in names[r % len(names):] + names[: r % len(names)]:
                     passes[name].append(one_pass(config, servers[name], models[name], c, measured))
             tok = {name: [p["output_throughput"] for p in passes[name]] for name in names}
@@ -84,6 +148,8 @@ def paired(servers: dict[str, str], points: dict[str, dict], levels: list[int], 
                          "acceptance_length": statistics.median(p["mean_acceptance_length"] for p in passes[name]),
                          "ttft_median": statistics.median(p["ttft_median"] for p in passes[name]),
                          "pass_s_min": min(p["duration"] for p in passes[name])}
+                if core_sets:
+                    entry["cores_rounds"] = cores[name]
                 if "target" in tok:
                     vs_target = [tok[name][r] / tok["target"][r] for r in range(rounds)]
                     entry.update(vs_target=statistics.median(vs_target),
@@ -123,13 +189,21 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--pids", default=None, help="name=pid,... the servers' process ids (with --core-sets)")
+    parser.add_argument("--core-sets", default=None,
+                        help="cpulists separated by ';' (e.g. '0-3;4-7;8-11'), one or more per server: the servers "
+                             "rotate over them round by round")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     servers = dict(s.split("=", 1) for s in args.servers.split(",") if s)
     if not servers or args.rounds < 1:
         parser.error("--servers needs name=url entries and --rounds >= 1")
+    pids = {k: int(v) for k, v in (p.split("=", 1) for p in args.pids.split(",") if p)} if args.pids else None
+    core_sets = [cpu_list(c) for c in args.core_sets.split(";") if c.strip()] if args.core_sets else None
+    if (pids is None) != (core_sets is None):
+        parser.error("--pids and --core-sets go together")
     rows = paired(servers, parse_points(args.points), [int(c) for c in args.concurrency.split(",")], args.rounds,
-                  args.pass_s, args.num_requests, args.warmup, args.max_tokens)
+                  args.pass_s, args.num_requests, args.warmup, args.max_tokens, pids, core_sets)
     print(table(rows))
     if args.out:
         Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))

@@ -4,7 +4,8 @@
 # (greedy; T = 1; T = 0.7 / top_p 0.8), one pass of >= MIN_S seconds per point after 8 warm-up requests.
 # Server flags in CONFIGS reach dscale-serve as written (e.g. --switch-interval-ms 5 for CPython's default).
 # Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S, ROUNDS, PIN,
-# PAIRED: 1 = the servers compared pass by pass, benchmarks/serve_paired.py, OUT_DIR/paired.json; NUM_REQUESTS:
+# PAIRED: 1 = the servers compared pass by pass, benchmarks/serve_paired.py, OUT_DIR/paired.json, pinned servers
+# rotating over their core sets round by round (ROUNDS a multiple of the server count shares them equally); NUM_REQUESTS:
 # its requests per pass at least, default 64)
 # Writes OUT_DIR/<config>/<point>/bench.{json,csv} (<point>.r<round> with ROUNDS > 1) and server logs; then prints
 # one table of every point, the median over the rounds with their spread (benchmarks/serve_sweep_summary.py, also
@@ -75,10 +76,18 @@ if [ "${PAIRED:-0}" = 1 ]; then
   # PAIRED=1: benchmarks/serve_paired.py instead of one dscale-bench per server: every server runs one pass of
   # >= MIN_S seconds in turn at each point and concurrency, ROUNDS rounds, and the ratios are taken per round
   urls=$(for name in "${names[@]}"; do printf '%s=http://127.0.0.1:%s,' "$name" "${ports[$name]}"; done)
+  # Pinned, the servers also trade their core sets round by round (serve_paired.py --core-sets), so that what a core
+  # set costs (a busy sibling hyperthread, interrupts) falls on every server alike, not on the one started there.
+  rotate=()
+  if [ "$pin" = 1 ]; then
+    sets=$(for ((i = 0; i < ${#config_list[@]}; i++)); do pin_cmd "$i" | awk '{printf "%s;", $3}'; done)
+    pid_list=$(for name in "${names[@]}"; do printf '%s=%s,' "$name" "${pids[$name]}"; done)
+    rotate=(--pids "${pid_list%,}" --core-sets "${sets%;}")
+  fi
   # shellcheck disable=SC2046
   $(pin_cmd "${#config_list[@]}") python benchmarks/serve_paired.py --servers "${urls%,}" --points "$points" \
     --concurrency "$concurrency" --rounds "$rounds" --pass-s "$min_s" --num-requests "${NUM_REQUESTS:-64}" \
-    --out "$out/paired.json"
+    ${rotate[@]+"${rotate[@]}"} --out "$out/paired.json"
   rounds=0
 fi
 for ((r = 1; r <= rounds; r++)); do

@@ -10,6 +10,7 @@ import csv
 import http.server
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -457,3 +458,46 @@ def test_serve_paired_takes_each_ratio_within_its_round(monkeypatch, capsys):
         assert s["slow"]["vs_best_range"] == pytest.approx([0.95, 0.95])
         assert s["fast"]["vs_target"] == pytest.approx(2.0) and s["fast"]["tok_s"] == 200 * row["concurrency"] * 2.0
     assert "| greedy | 8 |" in paired.table(rows)
+    # pinned servers trade core sets round by round: each gets each set once in three rounds
+    pins = []
+    monkeypatch.setattr(paired, "pin_tree", lambda pid, cpus: pins.append((pid, min(cpus))))
+    sets = [paired.cpu_list(t) for t in ("0-3", "4,5-7", "8-11")]
+    assert sets[1] == {4, 5, 6, 7}
+    rows = paired.paired({n: n for n in speed}, {"greedy": {"temperature": 0.0}}, [1], 3, 1.0, 4, 1, 8,
+                         {"target": 10, "fast": 11, "slow": 12}, sets)
+    assert pins == [(10, 0), (11, 4), (12, 8), (10, 4), (11, 8), (12, 0), (10, 8), (11, 0), (12, 4)]
+    assert rows[0]["servers"]["slow"]["cores_rounds"] == [list(range(8, 12)), list(range(4)), list(range(4, 8))]
+    with pytest.raises(ValueError, match="at least 3 core sets"):
+        paired.paired({n: n for n in speed}, {"greedy": {}}, [1], 3, 1.0, 4, 1, 8,
+                      {"target": 10, "fast": 11, "slow": 12}, sets[:2])
+    for bad in ("", "3-1", "a"):
+        with pytest.raises(ValueError, match="core set"):
+            paired.cpu_list(bad)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_serve_paired_pins_a_whole_process_tree():
+    """serve_paired.pin_tree moves every thread of a server and of the processes it started (the engine process)
+    onto the given cores."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("serve_paired",
+                                                  Path(__file__).parents[1] / "benchmarks" / "serve_paired.py")
+    paired = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired)
+    cpu = min(os.sched_getaffinity(0))
+    root = subprocess.Popen(["bash", "-c", "sleep 30 & sleep 30; wait"])
+    try:
+        for _ in range(100):
+            tree = paired.process_tree(root.pid)
+            if len(tree) == 3:
+                break
+            time.sleep(0.02)
+        assert len(tree) == 3 and tree[0] == root.pid
+        assert paired.pin_tree(root.pid, {cpu}) == 3
+        assert all(os.sched_getaffinity(pid) == {cpu} for pid in tree)
+    finally:
+        for pid in reversed(paired.process_tree(root.pid)):
+            os.kill(pid, 9)
+        root.wait()
