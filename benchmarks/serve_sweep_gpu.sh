@@ -40,9 +40,22 @@ pin_cmd() {  # pin_cmd INDEX: the `taskset` prefix of server INDEX's cores (INDE
   echo "taskset -c $first-$last"
 }
 echo "[sweep] $cores CPU cores, pinning $([ "$pin" = 1 ] && echo "on: $per_server per server" || echo off)"
-# Every server starts at once (their start-ups, graph capture and timing, overlap); once all are up, one bench
-# runs at a time while the others wait idle; all stop at the end.
-declare -A ports pids starts
+# Servers start one after another (STAGGER=1, the default): each one's start-up times its steps and prefill buckets
+# (the measured policy, the decode steps and prefill buckets behind the chunk budget) with the GPU to itself, as a
+# server alone on a GPU does; timed beside another server's capture they read long and stay so for the server's life.
+# STAGGER=0 starts them all at once (quicker). Once all are up, one bench runs at a time while the others wait idle;
+# all stop at the end. Each server's start-up timings go to OUT_DIR/startup.txt.
+declare -A ports pids starts up
+wait_up() {  # wait_up NAME: until the server answers /health (returns 1 if it died first)
+  local name=$1 port=${ports[$1]} pid=${pids[$1]}
+  until python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=5).status_code != 200)" 2>/dev/null; do
+    if ! kill -0 "$pid" 2>/dev/null; then echo "server $name exited:"; tail -30 "$out/$name/server.log"; return 1; fi
+    sleep 0.5
+  done
+  up[$name]=1
+  echo "[sweep] $name up $(python -c "print(round($(date +%s.%N) - ${starts[$name]}, 1))") s after its start"
+}
+stagger=${STAGGER:-1}
 index=0
 for entry in "${config_list[@]}"; do
   name=${entry%%:*} flags=${entry#*:}
@@ -53,17 +66,18 @@ for entry in "${config_list[@]}"; do
     --max-running-requests "$running" --log-level info >"$out/$name/server.log" 2>&1 &
   index=$((index + 1))
   pids[$name]=$! starts[$name]=$(date +%s.%N)
+  [ "$stagger" = 1 ] && wait_up "$name"
 done
-declare -A up
-for entry in "${config_list[@]}"; do  # every server up (or dead) before any is measured: no start-up beside a sweep
-  name=${entry%%:*} flags=${entry#*:} port=${ports[$name]} pid=${pids[$name]}
-  until python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=5).status_code != 200)" 2>/dev/null; do
-    if ! kill -0 "$pid" 2>/dev/null; then echo "server $name exited:"; tail -30 "$out/$name/server.log"; continue 2; fi
-    sleep 0.5
+if [ "$stagger" != 1 ]; then  # every server up (or dead) before any is measured: no start-up beside a sweep
+  for entry in "${config_list[@]}"; do
+    wait_up "${entry%%:*}"
   done
-  up[$name]=1
-  echo "[sweep] $name ($flags) up $(python -c "print(round($(date +%s.%N) - ${starts[$name]}, 1))") s after its start"
-done
+fi
+for entry in "${config_list[@]}"; do
+  name=${entry%%:*}
+  echo "== $name (${entry#*:})"
+  grep -E "KV cache:|DScale policy|prefill ms per token bucket|decode ms per bucket" "$out/$name/server.log" | cut -c1-2000
+done >"$out/startup.txt"
 # Rounds interleave the servers: each point is measured on every server before the next point, and each round
 # starts one server later, so a drift of the machine over the run falls on every server alike.
 rounds=${ROUNDS:-1}

@@ -211,6 +211,9 @@ class Engine:
             log.info("prefill ms per token bucket (from 0 / after %d keys): %s", next(iter(
                 self.prefiller.bucket_ms.values()))[2], {b: (round(a, 3), round(c, 3))
                                                          for b, (a, c, _) in self.prefiller.bucket_ms.items()})
+            # NOTE: with the prefill times, what sets the chunk budget beside decoding (`prefill_stall_ratio`)
+            log.info("decode ms per bucket (the chunk budget's reference): %s",
+                     {b: round(ms, 3) for b, ms in self.decode_ms.items()})
         self._pending: list = []  # launched steps not committed yet, oldest first: callables -> finished requests
         self.cycle_ms: float | None = None
         """Running mean of the wall time (ms) from one `step` call to the next while requests decode, over the
