@@ -6,7 +6,7 @@
 # Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S, ROUNDS, PIN,
 # PAIRED: 1 = the servers compared pass by pass, benchmarks/serve_paired.py, OUT_DIR/paired.json, pinned servers
 # rotating over their core sets round by round (ROUNDS a multiple of the server count shares them equally); NUM_REQUESTS:
-# its requests per pass at least, default 64)
+# its requests per pass at least, default 64; STAGGER: 1 (default) = each server starts once the one before is up)
 # Writes OUT_DIR/<config>/<point>/bench.{json,csv} (<point>.r<round> with ROUNDS > 1) and server logs; then prints
 # one table of every point, the median over the rounds with their spread (benchmarks/serve_sweep_summary.py, also
 # written to OUT_DIR/summary.json).
