@@ -37,7 +37,8 @@ from dscale_runtime.prefix_cache import PrefixCachingAllocator
 from dscale_runtime.models.dflash import DFlashDraftModel
 from dscale_runtime.models.loader import load_drafter, load_target, load_tokenizer, read_eos_ids, resolve_dtype
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
-from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1, AsyncRead, StepKind, StepResult, StepRunner
+from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1, AsyncRead, StepKind, StepResult, StepRunner, \
+    agreed_values
 from dscale_runtime.sampling import split_seed
 from dscale_runtime.scheduler import Request, Scheduler, Status
 from dscale_runtime.stats import EngineCounters, StepStats, StepTrace, retained_drafts
@@ -84,6 +85,10 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else target.config.eos_token_id)
         self.device = torch.device(config.device)
         self.dtype = next(target.parameters()).dtype
+        self.tensor_parallel = config.tensor_parallel_size > 1
+        """Every rank runs this engine on the same requests and schedules alike without talking (SPMD), so what the
+        scheduler reads must be equal on every rank: start-up measurements are agreed across the ranks
+        (`agreed_values`), and times measured while serving (`cycle_ms`, `live_step_ms`, `host_ms`) are not read."""
         if config.mode == "target":
             self.block_size = 1
         else:
@@ -175,7 +180,7 @@ class Engine:
         self.live_step_ms: dict[tuple[int, str], float] = {}
         """(bucket, step mode) -> running mean of its steps' device time (ms) while serving: the actual batch's
         kinds (sampled ones cost more than the greedy steps timed at start-up) at its actual context lengths."""
-        self.time_live_steps = self.runner.use_graphs
+        self.time_live_steps = self.runner.use_graphs and not self.tensor_parallel
         """Whether committed steps update `live_step_ms` (captured steps: their start-up times exist to start from)."""
         self.host_ms: dict[tuple[int, str], float] = {}
         """(bucket, step mode) -> running mean of the host's own work (ms) per engine cycle that launched such a
@@ -208,6 +213,8 @@ class Engine:
         if captured_prefill:
             self.prefiller.prepare()
             self.decode_ms = self._time_decode_steps()
+            if self.tensor_parallel:
+                self._agree_chunk_timings()
             log.info("prefill ms per token bucket (from 0 / after %d keys): %s", next(iter(
                 self.prefiller.bucket_ms.values()))[2], {b: (round(a, 3), round(c, 3))
                                                          for b, (a, c, _) in self.prefiller.bucket_ms.items()})
@@ -229,14 +236,26 @@ class Engine:
         self._generator.manual_seed(config.seed)
 
     # ------------------------------------------------------------------ construction
+    def _agree_chunk_timings(self) -> None:
+        """Tensor parallelism: the chunk budget's inputs (`decode_ms`, the prefill buckets' times) become the ranks'
+        maxima, the same on every rank, so every rank cuts the same chunks."""
+        decode = agreed_values(list(self.decode_ms.values()), self.device)
+        self.decode_ms = dict(zip(self.decode_ms, decode))
+        measured = self.prefiller.bucket_ms
+        times = agreed_values([t for short, long, _ in measured.values() for t in (short, long)], self.device)
+        self.prefiller.bucket_ms = {tokens: (times[2 * i], times[2 * i + 1], keys)
+                                    for i, (tokens, (_, _, keys)) in enumerate(measured.items())}
+
     def _time_decode_steps(self, reps: int = 5) -> dict[int, float]:
         """The greedy decode step each bucket serves (`StepRunner.mode_for`), timed as the runner's measured
         policy does (every row live at `policy_context` tokens, all pages the scratch page): the chunk budget's
-        reference (`prefill_stall_ratio`)."""
+        reference (`prefill_stall_ratio`). A time the measured policy took on the served graph is reused; after the
+        policy dropped its graphs (a DScale engine on DFlash steps only: its graphs carried the history and token
+        ring), the served steps are timed here as a DFlash engine's are, so both engines bound chunks alike."""
         runner, times = self.runner, {}
         for size in runner.buckets:
             mode = runner.mode_for(size)
-            known = runner.policy_ms.get(size, {})
+            known = runner.policy_ms.get(size, {}) if runner.policy_steps_served else {}
             if mode in known:
                 times[size] = known[mode]
                 continue
@@ -296,6 +315,8 @@ class Engine:
         log.info("memory_fraction %.2f of %.1f GiB: %.2f GiB in use (weights), %.2f GiB transient peak, pool of %d "
                  "tokens", config.memory_fraction, total / 2**30, torch.cuda.memory_allocated(device) / 2**30,
                  peak / 2**30, tokens)
+        if self.tensor_parallel:  # NOTE: one pool size on every rank (the smallest), so pages run out alike
+            tokens = int(agreed_values([tokens], device, "min")[0])
         return tokens
 
     @classmethod
@@ -472,8 +493,11 @@ class Engine:
         """The decode step a prefill chunk beside `decoding` running requests is bounded against
         (`prefill_stall_ratio`): the bucket's measured device step, or the loop's live cycle (`cycle_ms`) where
         that is longer (a host-bound loop, e.g. a server streaming every token, where a chunk the device runs
-        while the host works delays no step), at most CYCLE_REFERENCE_CAP device steps."""
+        while the host works delays no step), at most CYCLE_REFERENCE_CAP device steps. Under tensor parallelism the
+        device step alone (the cycle is each rank's own wall time; the ranks must cut the same chunks)."""
         device = self.decode_ms[self.runner.bucket(decoding)]
+        if self.tensor_parallel:  # NOTE: the live cycle is this rank's own wall time: the ranks would cut apart
+            return device
         return min(max(device, self.cycle_ms or 0.0), CYCLE_REFERENCE_CAP * device)
 
     def _prefill_chunks(self) -> list[Request]:

@@ -562,15 +562,23 @@ class BucketStep:
         return self.call()
 
 
-def _agreed(times: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Under tensor parallelism every rank must pick the same steps: each time becomes the ranks' maximum."""
+def agreed_values(values: list[float], device: torch.device, op: str = "max") -> list[float]:
+    """Under tensor parallelism (a process group of more than one rank) the ranks' elementwise maximum or minimum of
+    `values`, on every rank; else `values`. Every scheduling input measured per rank (a step time, the memory
+    left for the KV pool) goes through it, so that the ranks, which schedule alike without talking (SPMD), decide
+    alike."""
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return times
-    values = torch.tensor(list(times.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return dict(zip(times, values.tolist()))
+    if not values or not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    return tensor.tolist()
+
+
+def _agreed(times: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Under tensor parallelism every rank must pick the same steps: each time becomes the ranks' maximum."""
+    return dict(zip(times, agreed_values(list(times.values()), device)))
 
 
 @dataclass
@@ -664,6 +672,8 @@ class StepRunner:
         self.policy_context = policy_context
         self.bucket_modes: dict[int, str] = {}
         self.policy_ms: dict[int, dict[str, float]] = {}
+        self.policy_steps_served = True
+        """Whether `policy_ms` timed the graphs that are served (False once `measure_policy` dropped them)."""
         # DScale's live calibration map (`dvl/calibration.py`), [W-1, K+1] at a fixed address, identity at start;
         # `write_calibration` rewrites it in place (stream-ordered: steps launched later read the new map).
         self.calibration_knots = identity_knots(self.block_size - 1).to(self.device) \
@@ -795,6 +805,7 @@ class StepRunner:
                 self.state.tokens, self.token_ring = None, 0
             self.steps.clear()
             self.pool = torch.cuda.graph_pool_handle()  # NOTE: the old pool goes with its last graph
+            self.policy_steps_served = False
 
     def launch(self, anchors: list[int], ctx: list[int], pages: list[list[int]], sampling: list[tuple],
                kind: StepKind, context: np.ndarray | None = None, slots: list[int] | None = None,

@@ -140,10 +140,26 @@ def demo_engine(mode: str, config: EngineConfig, tp: TensorParallel | None = Non
     return engine_from_pretrained(DEMO_TARGET, drafter, predictor, config, tp)
 
 
+def agreed_measurements(rank: int) -> dict:
+    """What each rank makes of measurements that differ by rank: `agreed_values` (max and min) and an engine's
+    chunk-budget timings (`Engine._agree_chunk_timings`, the path CUDA engines take after their start-up timing)."""
+    from types import SimpleNamespace
+
+    from dscale_runtime.runner import agreed_values
+
+    own = [1.0 + rank, 5.0 - 2 * rank, 0.25 * rank]
+    engine = SimpleNamespace(device=torch.device("cpu"), decode_ms={8: 0.5 + rank, 16: 0.7 - 0.1 * rank},
+                             prefiller=SimpleNamespace(bucket_ms={16: (1.0 - 0.5 * rank, 2.0, 4096),
+                                                                  32: (1.5, 2.5 + rank, 4000)}))
+    Engine._agree_chunk_timings(engine)
+    return {"max": agreed_values(own, torch.device("cpu")), "min": agreed_values(own, torch.device("cpu"), "min"),
+            "decode_ms": engine.decode_ms, "bucket_ms": engine.prefiller.bucket_ms}
+
+
 def rank_job(tp: TensorParallel, tiny) -> dict:
     target = load_target(tiny[0], "float32", tp=tp)
     drafter = load_drafter(tiny[1], target.config, "float32", tp=tp)
-    return {"forward": model_forward(target, drafter),
+    return {"forward": model_forward(target, drafter), "agreed": agreed_measurements(tp.rank),
             "engine": engine_runs(lambda mode, config: demo_engine(mode, config, tp))}
 
 
@@ -236,6 +252,28 @@ def test_greedy_dflash_equals_target_under_tp2(tp2):
 
 # --------------------------------------------------------------------------------------------------
 # sharded loading, no process group
+
+
+def test_rank_measurements_are_agreed_across_ranks(tp2):
+    """Measurements that set the schedule (step and prefill times, the KV pool) differ by rank; the ranks schedule
+    alike without talking, so each becomes the ranks' maximum (times) or minimum (the pool) on every rank."""
+    a, b = tp2[0]["agreed"], tp2[1]["agreed"]
+    assert a == b
+    assert a["max"] == [2.0, 5.0, 0.25] and a["min"] == [1.0, 3.0, 0.0]
+    assert a["decode_ms"] == {8: 1.5, 16: 0.7}
+    assert a["bucket_ms"] == {16: (1.0, 2.0, 4096), 32: (1.5, 3.5, 4000)}
+
+
+def test_chunk_reference_ignores_the_rank_local_cycle_under_tensor_parallelism():
+    """The prefill chunk's reference reads the live host cycle (each process's own wall time) only without
+    tensor parallelism; under it, the agreed device step alone, so every rank cuts the same chunks."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(decode_ms={8: 0.5, 16: 0.8}, cycle_ms=1.2, runner=SimpleNamespace(bucket=lambda n: 8),
+                             tensor_parallel=False)
+    assert Engine.stall_reference_ms(engine, 5) == 1.2
+    engine.tensor_parallel = True
+    assert Engine.stall_reference_ms(engine, 5) == 0.5
 
 
 def test_rank_shards_are_slices_of_the_whole_weights(tiny_pair):
