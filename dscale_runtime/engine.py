@@ -312,11 +312,11 @@ class Engine:
         free, total = torch.cuda.mem_get_info(device)
         tokens = pool_tokens(config.memory_fraction, total, torch.cuda.memory_allocated(device), int(RESERVE_FACTOR * peak),
                              kv_bytes_per_token(*layout), ps, min_tokens, free_bytes=free)
-        log.info("memory_fraction %.2f of %.1f GiB: %.2f GiB in use (weights), %.2f GiB transient peak, pool of %d "
-                 "tokens", config.memory_fraction, total / 2**30, torch.cuda.memory_allocated(device) / 2**30,
-                 peak / 2**30, tokens)
         if self.tensor_parallel:  # NOTE: one pool size on every rank (the smallest), so pages run out alike
             tokens = int(agreed_values([tokens], device, "min")[0])
+        log.info("memory_fraction %.2f of %.1f GiB: %.2f GiB in use (weights), %.2f GiB transient peak, pool of %d "
+                 "tokens%s", config.memory_fraction, total / 2**30, torch.cuda.memory_allocated(device) / 2**30,
+                 peak / 2**30, tokens, " (the ranks' smallest)" if self.tensor_parallel else "")
         return tokens
 
     @classmethod
