@@ -120,6 +120,24 @@ def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  
         assert beside and max(alone) > 32 and (max(beside) <= 32) == (cycle_ms is None), (cycle_ms, beside)
 
 
+def test_the_chunk_budgets_decode_times_are_the_served_steps(pair, monkeypatch):  # noqa: F811
+    """`Engine._time_decode_steps` (CUDA engines, at start-up): a bucket's time from the measured policy is reused
+    only while the policy's graphs are the served ones; after the policy dropped them (a DScale engine on DFlash
+    steps only) the served step is timed, as in a DFlash engine. Here the CUDA timer is replaced by fixed samples."""
+    import dscale_runtime.engine as engine_module
+
+    engine = make_engine(pair, "dflash", max_running_requests=4, sampling_rule="top1")
+    runner = engine.runner
+    timed = []
+    monkeypatch.setattr(engine_module, "cuda_times", lambda step, reps: timed.append(step) or [3.0, 1.0, 2.0])
+    runner.policy_ms = {b: {"dflash": 9.0, "dscale": 8.0} for b in runner.buckets}
+    assert runner.policy_steps_served and engine._time_decode_steps() == {b: 9.0 for b in runner.buckets}
+    assert not timed
+    runner.policy_steps_served = False
+    assert engine._time_decode_steps() == {b: 2.0 for b in runner.buckets}
+    assert [s.buf.size for s in timed] == runner.buckets and all(s.kind.mode == "dflash" for s in timed)
+
+
 def test_cycle_time_follows_the_driving_loop(pair):  # noqa: F811
     """`Engine.cycle_ms`: the wall time between `step` calls while requests decode, cycles near a prefill left
     out; a loop that sleeps 30 ms between steps (a busy server) reads >= 30 ms, an idle gap counts nothing."""
