@@ -21,7 +21,7 @@ from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.demo.prompts import stdlib_prompts
 from dscale_runtime.engine import Engine
 from dscale_runtime.server.config import DEMO_DRAFTER, DEMO_PREDICTOR, DEMO_TARGET, ServeConfig
-from dscale_runtime.server.detokenize import IncrementalDetokenizer
+from dscale_runtime.server.detokenize import IncrementalDetokenizer, text_decoder
 from dscale_runtime.server.flags import parse_config
 from dscale_runtime.server.main import BackgroundServer
 
@@ -367,6 +367,36 @@ def test_detokenizer_never_splits_a_character_and_holds_back_stop_prefixes(demo_
         detok.add([t])
         held.append(detok.text[detok.num_emitted :])
     assert "return '" in held and held[-1] == "" and detok.text == text
+
+def test_streams_decode_through_the_rust_tokenizer_only_where_the_text_is_the_same(demo_reference):
+    """`text_decoder`: the demo's fast tokenizer is decoded by the Rust library directly (the transformers method is
+    never called) to exactly what `tokenizer.decode(ids, skip_special_tokens=True)` gives, special tokens, split
+    characters and windows included; an overridden decode or space clean-up keeps the method."""
+    import copy
+
+    tokenizer = demo_reference.tokenizer
+    text = "def grüße():\n    return '日本語 ✓ 🙂' # ok<|im_end|>\n<|im_start|>user ,  x !"
+    ids = tokenizer.encode(text, add_special_tokens=False) + [t for t in tokenizer.all_special_ids[:3]]
+    oracle = {(a, b): tokenizer.decode(ids[a:b], skip_special_tokens=True)
+              for a in range(len(ids)) for b in range(a, len(ids) + 1)}
+    fast = copy.copy(tokenizer)
+    fast.decode = None  # NOTE: the direct path never calls the method
+    decode = text_decoder(fast)
+    assert {(a, b): decode(ids[a:b]) for a, b in oracle} == oracle
+    assert any("\ufffd" in t for t in oracle.values()) and any(t != "" for t in oracle.values())
+    cleaned = copy.copy(tokenizer)
+    cleaned.clean_up_tokenization_spaces = True
+    cleaned.decode = lambda token_ids, **kwargs: "method"
+    assert text_decoder(cleaned)(ids) == "method"
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return super().decode(token_ids, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    assert text_decoder(shouting)(ids) == oracle[0, len(ids)].upper()
+
 
 def test_cli_flags():
     cfg = parse_config(ServeConfig, "dscale-serve", ["--mode", "dflash", "--max-running-requests", "4",

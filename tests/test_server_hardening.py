@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import threading
 import time
 
@@ -20,6 +21,7 @@ import pytest
 from dscale_runtime.config import EngineConfig, SamplingParams
 from dscale_runtime.demo.prompts import stdlib_prompts
 from dscale_runtime.engine import Engine
+from dscale_runtime.server.app import new_request_id
 from dscale_runtime.server.config import DEMO_DRAFTER, DEMO_TARGET, ServeConfig
 from dscale_runtime.server.main import BackgroundServer
 from dscale_runtime.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -248,7 +250,12 @@ def check_error(response: httpx.Response, status: int, words: str, field: str | 
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
     assert words in error["message"], error["message"]
     assert error["param"] == field
-    assert len(response.headers["x-request-id"]) == 32
+    assert re.fullmatch("[0-9a-f]{32}", response.headers["x-request-id"])
+
+
+def test_request_ids_are_32_hex_digits_and_do_not_repeat():
+    ids = [new_request_id() for _ in range(20000)]
+    assert len(set(ids)) == len(ids) and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
 
 
 def test_the_table_has_every_case_of_the_issue():

@@ -18,8 +18,9 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import random
 import time
-import uuid
 from collections import Counter
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -37,6 +38,15 @@ from dscale_runtime.server.templates import PromptBuilder
 from dscale_runtime.server.worker import Admitted, Delta, EngineWorker, Finished, Rejected, Submission
 
 log = logging.getLogger("dscale.serve")
+
+_REQUEST_IDS = random.Random(os.urandom(32))
+"""Request ids: 128 bits from a generator seeded once per process from the OS. `uuid4` asks the OS on every call,
+and that call lets go of the GIL; the event loop must then wait for the engine thread's switch interval to go on."""
+
+
+def new_request_id() -> str:
+    """A fresh request id: 32 hex digits."""
+    return f"{_REQUEST_IDS.getrandbits(128):032x}"
 
 OPEN_PATHS = ("/health",)
 """Routes answered without the API key."""
@@ -79,7 +89,7 @@ class EdgeMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
         started = False
 

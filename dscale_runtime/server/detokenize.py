@@ -10,14 +10,36 @@ Two rules make the streamed deltas concatenate to exactly the final answer:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 INCOMPLETE = "\ufffd"
 
 
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as a function. For a fast tokenizer whose `decode` is the
+    transformers base class's and that cleans up no spaces, that method only checks its arguments and calls the
+    Rust tokenizer, so the returned function calls the Rust tokenizer directly. The text is the same and each
+    call is about 2.5x cheaper. A server pays this twice per request per step on its engine thread. Any other
+    tokenizer (a slow one, an overridden decode, clean-up on) keeps the method."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # NOTE: a tokenizer from elsewhere keeps its own decode
+        PreTrainedTokenizerFast = PreTrainedTokenizerBase = None
+    cls = type(tokenizer)
+    if (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
+            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        backend = tokenizer.backend_tokenizer
+        return lambda token_ids: backend.decode(token_ids, skip_special_tokens=True)
+    return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> None:
+        """`decode`: `text_decoder(tokenizer)`, made once per tokenizer and shared (made here if not given)."""
         self.tokenizer = tokenizer
+        self._decode = decode or text_decoder(tokenizer)
         self.stop = tuple(stop)
         self.token_ids: list[int] = []
         self.text = ""
@@ -28,9 +50,6 @@ class IncrementalDetokenizer:
         """First token of the decode window: tokens before `_read` decoded again so that tokenizers whose
         pieces depend on their left neighbour (leading spaces, byte fallback) decode them as in the full text."""
         self._read = 0
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Take the next generated tokens; returns the text that is now safe to send (maybe empty)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dscale_runtime.config import RequestOutput, SamplingParams
-from dscale_runtime.server.detokenize import IncrementalDetokenizer
+from dscale_runtime.server.detokenize import IncrementalDetokenizer, text_decoder
 
 log = logging.getLogger("dscale.serve")
 
@@ -156,6 +156,8 @@ class EngineWorker:
         (`engine_process.PipeOutbox`)."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dscale-engine", daemon=True)
+        self._decode: Callable[[list[int]], str] | None = None
+        """The streams' `text_decoder` of the engine's tokenizer (made at the first stream)."""
 
     # ------------------------------------------------------------------ loop-thread side
     def start(self) -> None:
@@ -235,7 +237,11 @@ class EngineWorker:
     def _admit(self, sub: Submission) -> None:
         try:
             self.engine.add_request(sub.prompt_token_ids, sub.params, sub.request_id)
-            detok = IncrementalDetokenizer(self.engine.tokenizer, sub.params.stop) if sub.stream else None
+            detok = None
+            if sub.stream:
+                if self._decode is None:
+                    self._decode = text_decoder(self.engine.tokenizer)
+                detok = IncrementalDetokenizer(self.engine.tokenizer, sub.params.stop, self._decode)
         except ValueError as exc:  # the engine's checks name what is wrong with the request
             return self._send(sub, Rejected(400, str(exc)))
         except Exception:
