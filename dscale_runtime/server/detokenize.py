@@ -29,7 +29,7 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     cls = type(tokenizer)
     if (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
             and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode
-            and not tokenizer.clean_up_tokenization_spaces):
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
         backend = tokenizer.backend_tokenizer
         return lambda token_ids: backend.decode(token_ids, skip_special_tokens=True)
     return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=True)
