@@ -423,8 +423,9 @@ def test_cli_flags():
 
 def test_engine_thread_events_reach_each_request_in_order_with_one_wake_up():
     """The engine thread's Outbox: each request's events in the order they were put, one loop call per flush
-    (however many requests), and one request's failing `on_done` costs no other request its events."""
-    from dscale_runtime.server.worker import Aborted, Delta, Outbox, Submission
+    (however many requests) and none while the loop has not yet run the last one (its events join it), and one
+    request's failing `on_done` costs no other request its events; a closed loop takes nothing."""
+    from dscale_runtime.server.worker import Aborted, Delta, Outbox, Submission, _inbox
 
     loop = asyncio.new_event_loop()
     try:
@@ -441,22 +442,38 @@ def test_engine_thread_events_reach_each_request_in_order_with_one_wake_up():
             for sub in subs:
                 box.put(sub, Delta(f"{sub.request_id}-{k}", k + 1))
         box.put(subs[0], Aborted())  # terminal: its on_done raises
-        box.put(subs[1], Delta("r1-last", 4))
         thread = threading.Thread(target=box.flush)
         thread.start()
         thread.join()
         box.flush()  # nothing left: no call
+        box.put(subs[1], Delta("r1-last", 4))
+        box.put(subs[2], Delta("r2-last", 4))
+        box.flush()  # the loop has not run the first hand-over: these join it
+        assert len(calls) == 1
         loop.run_until_complete(asyncio.sleep(0))
         assert len(calls) == 1
         got = {sub.request_id: [] for sub in subs}
-        for sub in subs:
-            while not sub.events.empty():
-                event = sub.events.get_nowait()
-                got[sub.request_id].append(event.text if isinstance(event, Delta) else type(event).__name__)
+
+        def take():
+            for sub in subs:
+                while not sub.events.empty():
+                    event = sub.events.get_nowait()
+                    got[sub.request_id].append(event.text if isinstance(event, Delta) else type(event).__name__)
+
+        take()
         assert got == {"r0": ["r0-0", "r0-1", "r0-2", "Aborted"], "r1": ["r1-0", "r1-1", "r1-2", "r1-last"],
-                       "r2": ["r2-0", "r2-1", "r2-2"]}
+                       "r2": ["r2-0", "r2-1", "r2-2", "r2-last"]}
+        box.put(subs[2], Delta("r2-after", 5))
+        box.flush()  # the loop ran everything: a new wake-up
+        assert len(calls) == 2
+        loop.run_until_complete(asyncio.sleep(0))
+        take()
+        assert got["r2"][-1] == "r2-after"
     finally:
         loop.close()
+    box.put(subs[1], Delta("late", 6))
+    box.flush()  # a closed loop: dropped, not kept
+    assert len(calls) == 2 and _inbox(loop).events == [] and subs[1].events.empty()
 
 
 def test_engine_options_from_flags():
