@@ -256,6 +256,18 @@ def check_error(response: httpx.Response, status: int, words: str, field: str | 
 def test_request_ids_are_32_hex_digits_and_do_not_repeat():
     ids = [new_request_id() for _ in range(20000)]
     assert len(set(ids)) == len(ids) and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
+    if not hasattr(os, "fork"):
+        return
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # NOTE: a forked process (a replica, a worker) draws ids of its own, not its parent's next ones
+        os.write(write, new_request_id().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    theirs = os.read(read, 64).decode()
+    os.close(read)
+    assert re.fullmatch("[0-9a-f]{32}", theirs) and theirs != new_request_id()
 
 
 def test_the_table_has_every_case_of_the_issue():

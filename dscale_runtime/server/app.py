@@ -40,8 +40,11 @@ from dscale_runtime.server.worker import Admitted, Delta, EngineWorker, Finished
 log = logging.getLogger("dscale.serve")
 
 _REQUEST_IDS = random.Random(os.urandom(32))
-"""Request ids: 128 bits from a generator seeded once per process from the OS. `uuid4` asks the OS on every call,
-and that call lets go of the GIL; the event loop must then wait for the engine thread's switch interval to go on."""
+"""Request ids: 128 bits from a generator seeded once per process from the OS (again in a forked child, which would
+otherwise repeat its parent's ids). `uuid4` asks the OS on every call, and that call lets go of the GIL; the event
+loop must then wait for the engine thread's switch interval to go on."""
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _REQUEST_IDS.seed(os.urandom(32)))
 
 
 def new_request_id() -> str:
