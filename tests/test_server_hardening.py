@@ -261,8 +261,10 @@ def test_request_ids_are_32_hex_digits_and_do_not_repeat():
     read, write = os.pipe()
     child = os.fork()
     if child == 0:  # NOTE: a forked process (a replica, a worker) draws ids of its own, not its parent's next ones
-        os.write(write, new_request_id().encode())
-        os._exit(0)
+        try:
+            os.write(write, new_request_id().encode())
+        finally:
+            os._exit(0)
     os.close(write)
     os.waitpid(child, 0)
     theirs = os.read(read, 64).decode()
