@@ -84,18 +84,10 @@ def serve(argv: list[str]) -> None:
 
 def thread_cpu(root: int) -> dict[str, float]:
     """CPU seconds (user + system) of every thread of `root`'s process tree, by 'pid:tid'."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    tick, seconds, todo = os.sysconf("SC_CLK_TCK"), {}, [root]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
+    from serve_paired import process_tree  # NOTE: not at import: a --serve process imports this module too
+
+    tick, seconds = os.sysconf("SC_CLK_TCK"), {}
+    for pid in process_tree(root):
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:

@@ -38,7 +38,6 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> None:
         """`decode`: `text_decoder(tokenizer)`, made once per tokenizer and shared (made here if not given)."""
-        self.tokenizer = tokenizer
         self._decode = decode or text_decoder(tokenizer)
         self.stop = tuple(stop)
         self.token_ids: list[int] = []
