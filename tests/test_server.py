@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 
@@ -412,13 +413,31 @@ def test_cli_flags():
     assert not defaults.trust_request_chat_template and not defaults.enable_docs
     assert defaults.switch_interval_ms == 1.0
     for bad in (["--template-timeout", "0"], ["--api-key", ""], ["--header-timeout", "nan"],
-                ["--switch-interval-ms", "0"]):
+                ["--switch-interval-ms", "0"], ["--loop", "trio"], ["--http", "h2"], ["--max-header-bytes", "10"]):
         with pytest.raises(SystemExit):
             parse_config(ServeConfig, "dscale-serve", bad)
+    stack = parse_config(ServeConfig, "dscale-serve", ["--loop", "asyncio", "--http", "h11"])
+    assert (stack.loop, stack.http, defaults.loop, defaults.http) == ("asyncio", "h11", "auto", "auto")
     assert cfg.predictor_path is None and cfg.drafter_path == DEMO_DRAFTER
     assert parse_config(ServeConfig, "dscale-serve", []).predictor_path == DEMO_PREDICTOR
     with pytest.raises(SystemExit):
         parse_config(ServeConfig, "dscale-serve", ["--mode", "fast"])
+
+
+def test_loop_and_http_choices_and_a_missing_one_named_before_loading(monkeypatch):
+    """--loop / --http auto take uvloop / httptools where installed, else asyncio / h11; naming one that is not
+    installed stops dscale-serve with the package to install before any model loads."""
+    from dscale_runtime.server import main as serve_main
+
+    monkeypatch.setattr(serve_main, "load_engine", lambda config: pytest.fail("loaded before checking --loop"))
+    for installed in (True, False):
+        monkeypatch.setattr(serve_main, "_installed", lambda module, installed=installed: installed)
+        assert serve_main.event_loop("auto") == ("uvloop" if installed and sys.platform != "win32" else "asyncio")
+        assert serve_main.http_parser("auto") == ("httptools" if installed else "h11")
+        assert (serve_main.event_loop("asyncio"), serve_main.http_parser("h11")) == ("asyncio", "h11")
+    for flag, package in (("--loop", "uvloop"), ("--http", "httptools")):
+        with pytest.raises(SystemExit, match=f"pip install {package}"):
+            serve_main.main([flag, package])
 
 
 def test_engine_thread_events_reach_each_request_in_order_with_one_wake_up():

@@ -8,6 +8,7 @@ templates transformers' own `apply_chat_template`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -545,21 +546,41 @@ def test_an_unhandled_error_is_a_500_with_the_request_id_only(server, tiny_refer
     assert_still_answers(server, tiny_reference)
 
 
-def test_a_silent_connection_is_closed_after_the_header_timeout(tiny_pair):
+@pytest.mark.parametrize("loop,http", [("asyncio", "h11"), ("uvloop", "httptools")])
+def test_a_silent_connection_is_closed_after_the_header_timeout(tiny_pair, tiny_reference, loop, http):
     """--header-timeout bounds a request's line and headers: from the connection (nothing sent, or half a request)
     and, on a keep-alive connection, from the first bytes of the next request (half of it sent after an answer,
-    which cancels uvicorn's keep-alive timer); an idle keep-alive connection is closed by --timeout-keep-alive."""
+    which cancels uvicorn's keep-alive timer); an idle keep-alive connection is closed by --timeout-keep-alive.
+    A head over --max-header-bytes gets a 4xx and its connection closes (httptools would keep it growing), while
+    a long body, a head just under the limit and pipelined requests are answered. Both stacks (--loop / --http)
+    hold it, and answer the reference's text through the loop they name."""
     import socket
+
+    from dscale_runtime.server import worker
+
+    def read_until(sock, marker: bytes, count: int = 1) -> bytes:
+        answer = b""
+        while answer.count(marker) < count:
+            chunk = sock.recv(4096)
+            assert chunk, f"closed before {marker!r}: {answer[:300]!r}"
+            answer += chunk
+        return answer
 
     def answered(sock) -> None:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        answer = b""
-        while b'{"status":"ok"}' not in answer:
-            answer += sock.recv(4096)
+        read_until(sock, b'{"status":"ok"}')
 
+    pytest.importorskip(loop)
+    pytest.importorskip(http)
     engine = Engine.from_pretrained(tiny_pair[0], config=EngineConfig(mode="target", max_model_len=TINY_LEN))
-    with BackgroundServer(engine, ServeConfig(port=0, header_timeout=0.5, timeout_keep_alive=2)) as s:
+    with BackgroundServer(engine, ServeConfig(port=0, header_timeout=0.5, timeout_keep_alive=2, loop=loop,
+                                              http=http)) as s:
         host, port = s.url.removeprefix("http://").split(":")
+        loops = set(worker._INBOXES)
+        assert_still_answers(s, tiny_reference, model=s.state.model)
+        served = [lp for lp in worker._INBOXES if lp not in loops]
+        assert len(served) == 1 and type(served[0]).__module__.split(".")[0] == loop
+        assert s._server.config.http_protocol_class.__mro__[1].__module__.endswith(f".{http}_impl")
         # NOTE: each interval starts before the server's timer can (before connecting, before the bytes it counts
         # from), so a client slowed by a loaded machine can only read a longer one
         for sent in (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n"):  # nothing, then half a request
@@ -579,6 +600,26 @@ def test_a_silent_connection_is_closed_after_the_header_timeout(tiny_pair):
             answered(sock)
             assert sock.recv(1024) == b""
             assert 1.9 < time.perf_counter() - start < 6.0  # --timeout-keep-alive 2, not the header timeout
+        with socket.create_connection((host, int(port)), timeout=8) as sock:
+            body = json.dumps({"prompt": "a" * 600_000, "max_tokens": 1}).encode()  # one read holds head and body
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(body) + body)
+            assert read_until(sock, b"context limit").startswith(b"HTTP/1.1 400")
+            answered(sock)  # the same connection, after a body of 600 KB
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 15_000 + b"\r\n\r\n"
+                         b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # 15 KB, then a pipelined request
+            read_until(sock, b'{"status":"ok"}', count=2)
+        with socket.create_connection((host, int(port)), timeout=8) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            answer, sent = b"", 0
+            with pytest.raises(OSError):  # reset once the server has closed
+                while sent < 1 << 26:
+                    sock.sendall(b"X-Grow: " + b"g" * 4096 + b"\r\n")
+                    sent += 4106
+            assert sent < 1 << 24  # NOTE: closed near the limit (16 KiB), plus what the sockets' buffers held
+            with contextlib.suppress(OSError):
+                answer = sock.recv(4096)
+            assert answer == b"" or answer.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400"))
 
 
 # ---------------------------------------------------------------------------------------------- metrics

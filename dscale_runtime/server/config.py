@@ -12,6 +12,10 @@ DEMO_TARGET = REPO_ROOT / "artifacts" / "demo" / "target"
 DEMO_DRAFTER = REPO_ROOT / "artifacts" / "demo" / "drafter"
 DEMO_PREDICTOR = REPO_ROOT / "artifacts" / "demo.pt"
 ROUTER_POLICIES = ("round_robin", "power_of_two", "random", "cache_aware")
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
+"""`--loop`: the HTTP process's event loop ('auto': uvloop where it is installed, as uvicorn's own 'auto')."""
+HTTP_PARSERS = ("auto", "h11", "httptools")
+"""`--http`: the HTTP/1.1 implementation ('auto': httptools where it is installed, as uvicorn's own 'auto')."""
 """sglang-router's policies for a data-parallel dscale-serve (`--router-policy`)."""
 
 
@@ -114,10 +118,19 @@ class ServeConfig:
     the busy engine thread may keep the GIL while the HTTP loop waits for it. The loop gives the GIL up at every
     socket read and write, so each of its trips costs up to this long while the engine thread runs; 5 ms starves
     it at high concurrency (measured: benchmarks/serve_frontend.py, docs/benchmarks.md)."""
+    loop: str = "auto"
+    """The HTTP process's event loop: 'uvloop' (libuv; cheaper socket writes and wake-ups than asyncio's, which a
+    streaming server pays per step and request), 'asyncio', or 'auto' (uvloop when it is installed, as uvicorn)."""
+    http: str = "auto"
+    """HTTP/1.1 implementation: 'httptools' (llhttp, C), 'h11' (pure Python) or 'auto' (httptools when it is
+    installed, as uvicorn); either one closes connections whose headers outlast --header-timeout."""
     served_model_name: str | None = None
     """Model name in the API; default: the target folder's name."""
     max_request_bytes: int = 1 << 20
     """Largest request body accepted; a larger one gets 413."""
+    max_header_bytes: int = 1 << 14
+    """Largest request line and headers accepted (uvicorn's h11 default); a longer head gets 431 (--http
+    httptools) or 400 (h11) and its connection is closed."""
     device: str = "cpu"
     """Torch device ('cpu', 'cuda', ...)."""
     dtype: str = "auto"
@@ -168,6 +181,8 @@ class ServeConfig:
             raise ValueError(f"--chunked-prefill-tokens must be >= 0 (0 = off), got {self.chunked_prefill_tokens}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be positive, got {self.max_request_bytes}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"--max-header-bytes must be at least 1024, got {self.max_header_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         for flag, value in (("--template-timeout", self.template_timeout), ("--max-prompt-chars", self.max_prompt_chars),
@@ -175,6 +190,9 @@ class ServeConfig:
                             ("--switch-interval-ms", self.switch_interval_ms)):
             if not value > 0:
                 raise ValueError(f"{flag} must be positive, got {value}")
+        for flag, value, choices in (("--loop", self.loop, EVENT_LOOPS), ("--http", self.http, HTTP_PARSERS)):
+            if value not in choices:
+                raise ValueError(f"{flag} must be one of {', '.join(choices)}, got '{value}'")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty (leave the flag out to serve without a key)")
         self._check_data_parallel()

@@ -68,25 +68,67 @@ def engine_process_app(config: ServeConfig):
 
 
 def uvicorn_config(app, config: ServeConfig, log_level: str):
-    """uvicorn's settings for `app`: h11 with a deadline for request headers, the keep-alive timeout."""
+    """uvicorn's settings for `app`: the event loop and HTTP parser of `--loop` / `--http`, with a deadline for
+    request headers, and the keep-alive timeout."""
     import uvicorn
 
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
-                          http=header_deadline_protocol(config.header_timeout),
+                          loop=event_loop(config.loop),
+                          http=header_deadline_protocol(config.header_timeout, http_parser(config.http),
+                                                        config.max_header_bytes),
+                          h11_max_incomplete_event_size=config.max_header_bytes,
                           timeout_keep_alive=config.timeout_keep_alive)
 
 
-def header_deadline_protocol(seconds: float):
-    """uvicorn's h11 protocol, closing a connection whose request line and headers take over `seconds`.
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def event_loop(choice: str) -> str:
+    """uvicorn's loop for `--loop`: 'auto' is uvloop where it is installed (not on Windows), else asyncio."""
+    if choice == "auto":
+        return "uvloop" if sys.platform != "win32" and _installed("uvloop") else "asyncio"
+    if choice == "uvloop" and not _installed("uvloop"):
+        raise ValueError("--loop uvloop: uvloop is not installed (pip install uvloop), or use --loop asyncio")
+    return choice
+
+
+def http_parser(choice: str) -> str:
+    """The HTTP/1.1 implementation for `--http`: 'auto' is httptools where it is installed, else h11."""
+    if choice == "auto":
+        return "httptools" if _installed("httptools") else "h11"
+    if choice == "httptools" and not _installed("httptools"):
+        raise ValueError("--http httptools: httptools is not installed (pip install httptools), or use --http h11")
+    return choice
+
+
+def header_deadline_protocol(seconds: float, parser: str = "h11", max_head_bytes: int = 1 << 14):
+    """uvicorn's HTTP protocol (`parser`: 'h11' or 'httptools'), closing a connection whose request line and
+    headers take over `seconds`, or (httptools) over `max_head_bytes` (h11 bounds them itself, through uvicorn's
+    `h11_max_incomplete_event_size`, with a 400).
 
     uvicorn arms a timer only once a response is complete (keep-alive), and cancels it as soon as any byte of
     the next request arrives, so a client that connects and sends nothing, or half a request (the first or a
     later one), would hold its connection (and a file descriptor) forever. The deadline runs from the
     connection and from the first bytes of each later request; an idle keep-alive connection stays uvicorn's
-    (`timeout_keep_alive`)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    (`timeout_keep_alive`). Both protocols start a new request cycle once its headers are complete.
 
-    class HeaderDeadlineProtocol(H11Protocol):
+    httptools (llhttp) keeps a header however long it grows until its end arrives, so a client could fill the
+    server's memory within the deadline: the bytes read while a request's head is incomplete are counted, and past
+    `max_head_bytes` the client gets 431 and the connection closes. A read that ends a body and starts the next head
+    is not counted, so the bound is `max_head_bytes` plus one read."""
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Protocol
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Protocol
+
+    class HeaderDeadlineProtocol(Protocol):
+        _reading_head = True  # NOTE: llhttp callbacks (httptools only) move it; h11 keeps it unused
+        _heads = 0
+        _head_bytes = 0
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm_header_deadline()
@@ -94,7 +136,32 @@ def header_deadline_protocol(seconds: float):
         def data_received(self, data: bytes) -> None:
             if self.timeout_keep_alive_task is not None:  # NOTE: idle after a response: a new request starts here
                 self._arm_header_deadline()
+            heads, in_head = self._heads, self._reading_head
             super().data_received(data)
+            if parser != "httptools" or self.transport.is_closing():
+                return
+            if self._heads != heads:  # a head ended in this read: what follows it is not known, count from 0
+                self._head_bytes = 0
+            elif in_head and self._reading_head:
+                self._head_bytes += len(data)
+                if self._head_bytes > max_head_bytes:
+                    self._reject_head()
+
+        def on_headers_complete(self) -> None:
+            self._reading_head, self._heads, self._head_bytes = False, self._heads + 1, 0
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._reading_head = True
+            super().on_message_complete()
+
+        def _reject_head(self) -> None:
+            body = (f"the request line and headers exceed this server's limit of {max_head_bytes} bytes "
+                    "(--max-header-bytes)").encode()
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; "
+                                 b"charset=utf-8\r\nconnection: close\r\ncontent-length: "
+                                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+            self.transport.close()
 
         def _arm_header_deadline(self) -> None:
             waiting_for = self.cycle
@@ -124,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         except (RuntimeError, ValueError) as exc:
             sys.exit(f"dscale-serve: {exc}")
     try:
+        loop, http = event_loop(config.loop), http_parser(config.http)  # NOTE: before minutes of loading
         if config.engine_process:
             app = engine_process_app(config)
             engine = app.state.server.engine
@@ -133,8 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         sys.exit(f"dscale-serve: {exc}")
     logging.getLogger("dscale.serve").info(
-        "serving '%s' (mode %s, max %d running, context %d) on http://%s:%d/v1", config.model_name, config.mode,
-        config.max_running_requests, engine.config.max_model_len, config.host, config.port)
+        "serving '%s' (mode %s, max %d running, context %d) on http://%s:%d/v1 (%s, %s)", config.model_name,
+        config.mode, config.max_running_requests, engine.config.max_model_len, config.host, config.port, loop, http)
     # NOTE: start-up's objects (weights' wrappers, graphs, tokenizer) move to the permanent generation: the
     # collector's full passes while serving no longer walk them, which shortens the pauses a request can meet
     gc.collect()
