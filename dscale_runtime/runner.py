@@ -157,12 +157,11 @@ class StepBuffers:
         ints[0:n] = anchors
         ints[b : b + n] = ctx
         ints[2 * b : 2 * b + n] = 1
+        floats[0 : 2 * b].fill(1.0)  # NOTE: padding rows' temperature and top_p (an empty batch's too)
         if n:
             cols = np.asarray(sampling, dtype=np.float64)  # [n, 6]
             for i in range(4):
                 ints[(3 + i) * b : (3 + i) * b + n] = cols[:, i]
-            floats[0:b].fill(1.0)
-            floats[b : 2 * b].fill(1.0)
             floats[0:n] = cols[:, 4]
             floats[b : b + n] = cols[:, 5]
         # NOTE: the predictor's sampling columns staged by the host (`sampling_columns`: no launch in the step)

@@ -103,6 +103,32 @@ def test_staged_tables_keep_the_pseudo_requests_scratch_row():
         assert torch.equal(got.block_tables, want.block_tables) and torch.equal(got.kv_lens, want.kv_lens)
 
 
+def test_refilled_buffers_equal_buffers_filled_once():
+    """A bucket's buffers carry nothing from one fill to the next: after every fill of a random sequence (batches
+    growing and shrinking, tables longer and shorter, empty batches, context on and off), its ints and floats equal
+    those of fresh buffers given only that fill (an empty batch once kept the last batch's temperatures)."""
+    import numpy as np
+
+    from dscale_runtime.runner import StepBuffers
+
+    rng = np.random.default_rng(0)
+    size, pages, num_context = 5, 7, 3
+    reused = StepBuffers(size, pages, num_context, 16, torch.device("cpu"), dummy_slot=9)
+    for step in range(60):
+        n = int(rng.integers(0, size + 1))
+        tables = [[int(p) for p in rng.integers(1, 50, int(rng.integers(0, pages + 1)))] for _ in range(n)]
+        sampling = [tuple(int(v) for v in rng.integers(0, 9, 4)) + (float(rng.uniform(0.1, 2)), float(rng.uniform()))
+                    for _ in range(n)]
+        context = rng.standard_normal((n, num_context)).astype(np.float32) if step % 3 else None
+        args = ([int(a) for a in rng.integers(0, 99, n)], [int(c) for c in rng.integers(0, 99, n)], tables, sampling,
+                int(rng.integers(0, 40)), context, [int(x) for x in rng.integers(0, 8, n)] if step % 2 else None,
+                [bool(h) for h in rng.integers(0, 2, n)] if step % 4 else None)
+        fresh = StepBuffers(size, pages, num_context, 16, torch.device("cpu"), dummy_slot=9)
+        reused.fill(*args)
+        fresh.fill(*args)
+        assert torch.equal(reused.dev_int, fresh.dev_int) and torch.equal(reused.dev_float, fresh.dev_float), step
+
+
 @pytest.mark.parametrize("mode,config", [("target", {}), ("dflash", {}), ("dscale", {}),
                                          ("dscale", {"full_width_max_batch": 2})],
                          ids=["target", "dflash", "dscale", "dscale-full-width-2"])

@@ -440,6 +440,37 @@ def test_loop_and_http_choices_and_a_missing_one_named_before_loading(monkeypatc
             serve_main.main([flag, package])
 
 
+def test_accept_length_histogram_filled_per_step_reads_as_prometheus_clients_own():
+    """The accept-length histogram takes a step's accepted counts in one call; its exposition equals a
+    prometheus_client Histogram observing every value (accepted + 1) with one bucket per value, after every step."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dscale_runtime.server.metrics import AcceptLengthHistogram
+
+    def samples(registry) -> list:
+        text = generate_latest(registry).decode()
+        return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples
+                if not s.name.endswith("_created")]
+
+    name, doc, block = "dscale_spec_accept_length_per_step", "Tokens per request-step.", 16
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    bulk = AcceptLengthHistogram(name, doc, block, 'm "1"')
+    ours.register(bulk)
+    oracle = Histogram(name, doc, ["model_name"], registry=theirs,
+                       buckets=[float(k) for k in range(1, block + 1)]).labels('m "1"')
+    assert samples(ours) == samples(theirs)  # empty
+    rng = random.Random(0)
+    for step in range(40):
+        accepted = [rng.choice([0, 0, 1, 2, 3, block - 1]) for _ in range(rng.randint(0, 32))]
+        bulk.add(accepted)
+        for a in accepted:
+            oracle.observe(a + 1)
+        assert samples(ours) == samples(theirs), step
+
+
 def test_engine_thread_events_reach_each_request_in_order_with_one_wake_up():
     """The engine thread's Outbox: each request's events in the order they were put, one loop call per flush
     (however many requests) and none while the loop has not yet run the last one (its events join it), and one

@@ -7,8 +7,9 @@ the app (checks, tokenising, SSE); a child process (spawned, so CUDA starts clea
 runs the same `EngineWorker` loop. One duplex pipe joins them:
 - HTTP -> engine: ("submit", request id, prompt token ids, SamplingParams, stream, arrival), ("abort", id),
   ("snapshot", n) (what /metrics and /get_load read, taken on the engine thread between steps), ("stop",);
-- engine -> HTTP: ("ready", static facts) or ("error", message) once, then ("events", [(request id, event)],
-  histogram observations) per pass of the engine thread, and ("snapshot", n, facts) answers.
+- engine -> HTTP: ("ready", static facts) or ("error", message) once, then ("events", [(request id, event) or
+  (request id, a Delta's text, its token count)], histogram calls) per pass of the engine thread, and ("snapshot",
+  n, facts) answers.
 Arrival stamps cross the pipe as `time.perf_counter()` values: a system-wide monotonic clock on Linux.
 
 If the engine process dies, every request it held gets a 500 naming its id, new ones a 503, and /health says
@@ -30,7 +31,7 @@ from types import SimpleNamespace
 
 from dscale_runtime.config import SamplingParams
 from dscale_runtime.stats import EngineCounters
-from dscale_runtime.server.worker import TERMINAL, EngineWorker, Rejected, Submission, WorkerStats, post
+from dscale_runtime.server.worker import TERMINAL, Delta, EngineWorker, Rejected, Submission, WorkerStats, post
 
 log = logging.getLogger("dscale.serve")
 
@@ -56,14 +57,18 @@ class _Recorder:
         self.name, self.sink = name, sink
 
     def observe(self, value: float) -> None:
-        self.sink.append((self.name, value))
+        self.sink.append((self.name, "observe", value))
+
+    def add(self, values: list[int]) -> None:
+        self.sink.append((self.name, "add", values))
 
 
 class RecordingMetrics:
-    """The histograms' `observe` calls, kept for the next message to the HTTP process."""
+    """The histograms' `observe` (and the accept-length histogram's `add`) calls, kept for the next message to
+    the HTTP process, which makes them again on its `ServerMetrics`."""
 
     def __init__(self) -> None:
-        self.observations: list[tuple[str, float]] = []
+        self.observations: list[tuple[str, str, object]] = []
         for name in HISTOGRAMS:
             setattr(self, name, _Recorder(name, self.observations))
 
@@ -76,7 +81,11 @@ class PipeOutbox:
         self._events: list = []
 
     def put(self, sub: EngineRequest, event) -> None:
-        self._events.append((sub.request_id, event))
+        # NOTE: a Delta (one per request per step) crosses as its fields: a dataclass pickles ~10x slower
+        if type(event) is Delta:
+            self._events.append((sub.request_id, event.text, event.num_tokens))
+        else:
+            self._events.append((sub.request_id, event))
 
     def flush(self) -> None:
         observations = self.metrics.observations
@@ -307,14 +316,16 @@ class EngineProcessClient:
 
     def _events(self, events: list, observations: list) -> None:
         if self.metrics is not None:
-            for name, value in observations:
-                getattr(self.metrics, name).observe(value)
+            for name, method, value in observations:
+                getattr(getattr(self.metrics, name), method)(value)
         delivered = []
         with self._subs_lock:
-            for request_id, event in events:
+            for entry in events:
+                request_id = entry[0]
                 sub = self._subs.get(request_id)
                 if sub is None:
                     continue
+                event = Delta(entry[1], entry[2]) if len(entry) == 3 else entry[1]
                 if isinstance(event, TERMINAL):
                     del self._subs[request_id]
                 delivered.append((sub, event))

@@ -8,7 +8,8 @@ speculative-decoding distributions are histograms observed by the engine thread 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0)
@@ -38,10 +39,10 @@ class ServerMetrics:
                               "Per request: (finish - first token) / (generated tokens - 1).", TPOT_BUCKETS)
         self.e2e = histogram("dscale_e2e_request_latency_seconds",
                              "Time from a request's arrival to its last token.", E2E_BUCKETS)
-        self.accept_length = histogram(
+        self.accept_length = AcceptLengthHistogram(
             "dscale_spec_accept_length_per_step",
-            "Tokens one request gained in one decode step (accepted drafts + 1).",
-            tuple(float(k) for k in range(1, block_size + 1)))
+            "Tokens one request gained in one decode step (accepted drafts + 1).", block_size, model_name)
+        self.registry.register(self.accept_length)
         row_buckets, rows = [], 1
         while rows < block_size * max_running:
             row_buckets.append(float(rows))
@@ -54,6 +55,40 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class AcceptLengthHistogram:
+    """A histogram of tokens gained per request per step (accepted drafts + 1, an integer in 1..block_size), one
+    bucket per value, filled a whole step at a time: `add(accepted)` costs one list update per request, where a
+    `prometheus_client` observe costs a lock and a bucket search each (~3 us: 0.1 ms a step at 32 requests, on the
+    engine thread, and in the engine-process mode again where the HTTP process replays it). The exposition is
+    `prometheus_client`'s for the same observations (`_count` is the buckets' total, so a scrape between two
+    requests of one step still reads a consistent histogram)."""
+
+    def __init__(self, name: str, doc: str, block_size: int, model_name: str) -> None:
+        self.name, self.doc, self.model = name, doc, model_name
+        self.counts = [0] * (block_size + 1)  # NOTE: counts[v]: request-steps that gained v tokens (v >= 1)
+        self.sum = 0
+
+    def add(self, accepted: list[int]) -> None:
+        """One step's accepted draft counts, one per request (each gained that many + 1 tokens)."""
+        counts = self.counts
+        for a in accepted:
+            counts[a + 1] += 1
+        self.sum += sum(accepted) + len(accepted)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        buckets, total = [], 0
+        for value, count in enumerate(self.counts[1:], 1):
+            total += count
+            buckets.append((floatToGoString(float(value)), total))
+        buckets.append(("+Inf", total))
+        family.add_metric([self.model], buckets, float(self.sum))
+        yield family
 
 
 class _ScrapeCollector:

@@ -355,8 +355,7 @@ class EngineWorker:
         step = self.engine.last_step
         self.metrics.step_seconds.observe(seconds)
         self.metrics.verify_rows.observe(step.num_verify_rows)
-        for accepted in step.accepted_lens:
-            self.metrics.accept_length.observe(accepted + 1)
+        self.metrics.accept_length.add(step.accepted_lens)
 
     def _progress(self, request_id: str, live: _Live, now: float) -> None:
         detok = live.detokenizer
