@@ -48,7 +48,10 @@ LATENCY_FIGURES = tuple(f"{name}_{q}" for name in LATENCIES for q in PERCENTILES
 # the first ten are the original report's, the rest were added after them (issue 24: sizing and spread).
 METRICS = ("output_throughput", "e2e_mean", "e2e_p95", "e2e_p99", "ttft_mean", "ttft_p95", "tpot_mean",
            "mean_acceptance_length", "completion_tokens", "duration",
-           "requests", "request_throughput", *(k for k in LATENCY_FIGURES if k != "e2e_p99"))
+           "requests", "request_throughput", *(k for k in LATENCY_FIGURES if k != "e2e_p99"), "client_cpu")
+CLIENT_BUSY = 0.8
+"""A pass whose closed loop kept its thread busier than this share of a core may have been limited by the client
+(one asyncio thread): the pass line says so (then run the client on a quieter machine or core)."""
 SAMPLING = ("temperature", "top_p", "top_k", "sampling_seed")
 SIZING = ("min_duration_s", "max_requests")
 # Min / median / max over a point's passes ("spread"; CSV columns NAME_min and NAME_max after the medians).
@@ -310,8 +313,10 @@ def latency_figures(records: list[dict]) -> dict:
     return figures
 
 
-def summarise(records: list[dict], before: dict[str, float], after: dict[str, float]) -> dict:
-    """One pass's figures from its request records and the server counters around it."""
+def summarise(records: list[dict], before: dict[str, float], after: dict[str, float],
+              client_cpu: float = float("nan")) -> dict:
+    """One pass's figures from its request records and the server counters around it; `client_cpu`: the CPU
+    seconds of the client's thread per second of the pass (1.0: a whole core)."""
     e2e = np.array([r["end"] - r["start"] for r in records])
     ttft = np.array([r["first"] - r["start"] for r in records])
     tpot = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
@@ -327,7 +332,7 @@ def summarise(records: list[dict], before: dict[str, float], after: dict[str, fl
         "tpot_mean": float(np.mean(tpot)) if tpot else float("nan"),
         "mean_acceptance_length": 1.0 + accepted / steps if steps else float("nan"),
         "completion_tokens": tokens, "duration": duration,
-        "request_throughput": len(records) / duration,
+        "request_throughput": len(records) / duration, "client_cpu": client_cpu,
     }
     figures.update(latency_figures(records))
     return {k: figures[k] for k in METRICS}
@@ -361,14 +366,19 @@ def measure_point(config: BenchConfig, url: str, model: str, concurrency: int, w
     passes, records = [], []
     for i in range(config.repetitions):
         before = read_counters(url)
+        # NOTE: the closed loop runs on this thread (asyncio.run): its CPU time is the client's own
+        cpu, wall = time.thread_time(), time.perf_counter()
         pass_records = asyncio.run(closed_loop(url, model, measured, concurrency, config.timeout,
                                                config.min_duration_s, config.request_cap, more))
-        passes.append(summarise(pass_records, before, read_counters(url)))
+        client_cpu = (time.thread_time() - cpu) / (time.perf_counter() - wall)
+        passes.append(summarise(pass_records, before, read_counters(url), client_cpu))
         records.append(sorted(pass_records, key=lambda r: r["index"]))
         short = passes[-1]["duration"] < config.min_duration_s
+        busy = (f"; the client used {client_cpu:.2f} of a core and may have limited this pass"
+                if client_cpu > CLIENT_BUSY else f"; client CPU {client_cpu:.2f} of a core")
         print(f"[dscale-bench]   pass {i + 1}: {passes[-1]['requests']} requests in {passes[-1]['duration']:.2f} s"
-              f"{f' (stopped at --max-requests {config.request_cap}, short of the --min-duration-s target)' if short else ''}",
-              flush=True)
+              f"{f' (stopped at --max-requests {config.request_cap}, short of the --min-duration-s target)' if short else ''}"
+              f"{busy}", flush=True)
     return {"concurrency": concurrency, **point_figures(passes, records), "records": records}
 
 
@@ -450,8 +460,8 @@ def spread_table(points: list[dict]) -> list[str]:
     rows = [f"Spread: {sizing_caption(points[0])}; min / median / max over the passes; latencies over all the "
             "passes' requests", "",
             "| mode | c | pass s (min-max) | requests / pass | tok/s min / med / max | TTFT p50 / p90 / p99 (s) "
-            "| TTFT p99/p50 | TPOT p50 / p90 / p99 (ms) | E2E p50 / p90 / p99 (s) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| TTFT p99/p50 | TPOT p50 / p90 / p99 (ms) | E2E p50 / p90 / p99 (s) | client CPU (cores) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in points:
         s, a = p["spread"], p["pooled"]
         tp, dur, req = s["output_throughput"], s["duration"], s["requests"]
@@ -461,7 +471,7 @@ def spread_table(points: list[dict]) -> list[str]:
             f"{tp['min']:.1f} / {tp['median']:.1f} / {tp['max']:.1f} | "
             f"{a['ttft_median']:.3f} / {a['ttft_p90']:.3f} / {a['ttft_p99']:.3f} | {a['ttft_p99_over_median']:.2f} | "
             f"{1000 * a['tpot_median']:.1f} / {1000 * a['tpot_p90']:.1f} / {1000 * a['tpot_p99']:.1f} | "
-            f"{a['e2e_median']:.2f} / {a['e2e_p90']:.2f} / {a['e2e_p99']:.2f} |")
+            f"{a['e2e_median']:.2f} / {a['e2e_p90']:.2f} / {a['e2e_p99']:.2f} | {p['median']['client_cpu']:.2f} |")
     return rows
 
 

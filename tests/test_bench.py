@@ -131,11 +131,13 @@ def test_sweep_against_a_running_server(tiny, tmp_path):
             assert figures["completion_tokens"] == sum(len(o.token_ids) for o in want)
             assert figures["output_throughput"] > 0 and figures["e2e_p99"] >= figures["e2e_mean"] > 0
             assert figures["mean_acceptance_length"] >= 1.0
+            assert 0 < figures["client_cpu"] <= 1.01  # the closed loop's thread: CPU seconds per second of the pass
         assert p["median"]["e2e_mean"] == pytest.approx(sum(f["e2e_mean"] for f in p["passes"]) / 2)
     out = tmp_path / "out"
     assert len(json.loads((out / "bench.json").read_text())["manifest"]["measured"]) == 5
     rows = list(csv.DictReader((out / "bench.csv").open()))
     assert [(r["mode"], r["concurrency"]) for r in rows] == [("dflash", "1"), ("dflash", "2")]
+    assert [float(r["client_cpu"]) for r in rows] == pytest.approx([p["median"]["client_cpu"] for p in points])
     assert (out / "bench.png").stat().st_size > 10_000
     main_table, spread_table = table(points).split("\nSpread: ")
     assert main_table.count("| dflash |") == 2 and spread_table.count("| dflash |") == 2
