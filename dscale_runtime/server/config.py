@@ -12,11 +12,11 @@ DEMO_TARGET = REPO_ROOT / "artifacts" / "demo" / "target"
 DEMO_DRAFTER = REPO_ROOT / "artifacts" / "demo" / "drafter"
 DEMO_PREDICTOR = REPO_ROOT / "artifacts" / "demo.pt"
 ROUTER_POLICIES = ("round_robin", "power_of_two", "random", "cache_aware")
+"""sglang-router's policies for a data-parallel dscale-serve (`--router-policy`)."""
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 """`--loop`: the HTTP process's event loop ('auto': uvloop where it is installed, as uvicorn's own 'auto')."""
 HTTP_PARSERS = ("auto", "h11", "httptools")
 """`--http`: the HTTP/1.1 implementation ('auto': httptools where it is installed, as uvicorn's own 'auto')."""
-"""sglang-router's policies for a data-parallel dscale-serve (`--router-policy`)."""
 
 
 @dataclass(frozen=True)
