@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -112,10 +113,15 @@ def test_engine_process_serves_greedy_equal_to_target_only(pair, reference):
     assert not client.process.is_alive(), "the engine process outlived the server"
 
 
-def test_a_dead_engine_process_fails_requests_fast_and_health_says_so(pair, reference):
+@pytest.mark.parametrize("reader", ["loop", "thread"])
+def test_a_dead_engine_process_fails_requests_fast_and_health_says_so(pair, reference, reader):
+    """Whether the app's loop reads the pipe (the default) or a thread does (loops that cannot watch a pipe)."""
     server, client = serve(pair)
+    client.read_on_loop = reader == "loop"
     with server:
         url = server.url
+        readers = [t for t in threading.enumerate() if t.name == "dscale-engine-pipe"]
+        assert (client._reader is None, len(readers)) == ((True, 0) if reader == "loop" else (False, 1))
         assert complete(url, PROMPTS[0]).json()["choices"][0]["text"] == reference[0].text
         os.kill(client.process.pid, signal.SIGKILL)
         client.process.join(30)

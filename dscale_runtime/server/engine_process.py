@@ -4,7 +4,7 @@ In one process the engine thread and the asyncio loop share one GIL: every socke
 waits for the engine thread's switch interval, and every step's Python waits for the loop's (the API-server /
 engine-core split of vLLM and SGLang's scheduler process answer the same problem). Here the HTTP process keeps
 the app (checks, tokenising, SSE); a child process (spawned, so CUDA starts clean there) loads the engine and
-runs the same `EngineWorker` loop. One duplex pipe joins them:
+runs the same `EngineWorker` loop. One duplex pipe joins them, watched by the HTTP process's event loop:
 - HTTP -> engine: ("submit", request id, prompt token ids, SamplingParams, stream, arrival), ("abort", id),
   ("snapshot", n) (what /metrics and /get_load read, taken on the engine thread between steps), ("stop",);
 - engine -> HTTP: ("ready", static facts) or ("error", message) once, then ("events", [(request id, event) or
@@ -31,7 +31,8 @@ from types import SimpleNamespace
 
 from dscale_runtime.config import SamplingParams
 from dscale_runtime.stats import EngineCounters
-from dscale_runtime.server.worker import TERMINAL, Delta, EngineWorker, Rejected, Submission, WorkerStats, post
+from dscale_runtime.server.worker import (TERMINAL, Delta, EngineWorker, Rejected, Submission, WorkerStats, deliver,
+                                          post)
 
 log = logging.getLogger("dscale.serve")
 
@@ -196,6 +197,9 @@ class EngineProxy:
 class EngineProcessClient:
     """The HTTP process's side: the `EngineWorker` surface the app uses, over the pipe to the engine process."""
 
+    read_on_loop = True
+    """Read the pipe on the app's loop where it can watch it (`start`); false: in a thread of its own."""
+
     def __init__(self, config, factory=None) -> None:
         """`factory(config) -> engine` runs in the engine process (picklable; default: the flags' engine)."""
         self.config = config
@@ -212,6 +216,8 @@ class EngineProcessClient:
         self._snapshots: dict[int, asyncio.Future] = {}
         self._nonce = 0
         self._reader: threading.Thread | None = None
+        """The pipe's reader thread, where the loop cannot watch the pipe (else the loop reads it: `start`)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._dead = False
         self._stopping = False
         self.metrics = None
@@ -242,6 +248,16 @@ class EngineProcessClient:
         return not self._dead and self.process.is_alive()
 
     def start(self) -> None:
+        """Read the engine's messages on the running loop (the app's lifespan calls this on it): the pipe is one
+        more file descriptor the loop waits on, as vLLM's and SGLang's HTTP processes read their engine's sockets,
+        so events reach their requests with no thread between (which took the GIL from the loop, and woke it through
+        its self-pipe once per message). A loop without `add_reader` (Windows' proactor) gets a reader thread."""
+        self._loop = asyncio.get_running_loop()
+        if self.read_on_loop:
+            try:
+                return self._loop.add_reader(self.conn.fileno(), self._readable)
+            except NotImplementedError:
+                pass
         self._reader = threading.Thread(target=self._read, name="dscale-engine-pipe", daemon=True)
         self._reader.start()
 
@@ -289,30 +305,64 @@ class EngineProcessClient:
         except (OSError, ValueError):  # the pipe is closed: the engine process is gone
             return False
 
-    # ------------------------------------------------------------------ the pipe reader (its own thread)
+    # ------------------------------------------------------------------ the pipe reader (the loop, or a thread)
+    def _readable(self) -> None:
+        """On the loop: every message that has arrived (at most 64, then the loop's other work goes first).
+        The engine writes each message whole, so a read that starts one finds all of it, or EOF."""
+        try:
+            for _ in range(64):
+                if not self.conn.poll():
+                    return
+                self._handle(self.conn.recv())
+        except (EOFError, OSError):  # the engine process is gone
+            self._loop.remove_reader(self.conn.fileno())
+            self._engine_gone()
+
     def _read(self) -> None:
         while True:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
                 break
-            try:
-                if message[0] == "events":
-                    self._events(message[1], message[2])
-                elif message[0] == "snapshot":
-                    self.engine.update(message[2])
-                    future = self._snapshots.get(message[1])
-                    if future is not None:
-                        future.get_loop().call_soon_threadsafe(_resolve, future)
-            except Exception:  # NOTE: one bad message must not stop the deliveries of every request
-                log.exception("engine pipe: handling a message failed")
+            self._handle(message)
+        self._engine_gone()
+
+    def _handle(self, message) -> None:
+        try:
+            if message[0] == "events":
+                self._events(message[1], message[2])
+            elif message[0] == "snapshot":
+                self.engine.update(message[2])
+                future = self._snapshots.get(message[1])
+                if future is not None:
+                    self._on_loop(future.get_loop(), _resolve, future)
+        except Exception:  # NOTE: one bad message must not stop the deliveries of every request
+            log.exception("engine pipe: handling a message failed")
+
+    def _on_loop(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        """`fn(*args)` on `loop`: now when this is its thread (the loop reads the pipe), else handed over."""
+        if self._reader is None and loop is self._loop:
+            fn(*args)
+        else:
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _deliver(self, events: list) -> None:
+        """(submission, event) pairs to their loops: at once on the loop that reads the pipe, the rest posted."""
+        if self._reader is not None:
+            return post(events)
+        here = [(sub, event) for sub, event in events if sub.loop is self._loop]
+        if len(here) < len(events):
+            post([(sub, event) for sub, event in events if sub.loop is not self._loop])
+        deliver(here)
+
+    def _engine_gone(self) -> None:
         self._dead = True
         (log.info if self._stopping else log.error)("the engine process stopped (exit status %s); failing its %d "
                                                     "requests", self.process.exitcode, len(self._subs))
         with self._subs_lock:
             subs, self._subs = list(self._subs.values()), {}
-        post([(sub, Rejected(500, f"internal error: the engine process stopped (request id {sub.request_id}; the "
-                                  "server log has the details)")) for sub in subs])
+        self._deliver([(sub, Rejected(500, f"internal error: the engine process stopped (request id {sub.request_id}; "
+                                           "the server log has the details)")) for sub in subs])
 
     def _events(self, events: list, observations: list) -> None:
         if self.metrics is not None:
@@ -329,7 +379,7 @@ class EngineProcessClient:
                 if isinstance(event, TERMINAL):
                     del self._subs[request_id]
                 delivered.append((sub, event))
-        post(delivered)
+        self._deliver(delivered)
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -151,7 +151,7 @@ class _LoopInbox:
         """On the loop: deliver every event queued so far."""
         with self.lock:
             events, self.events, self.queued = self.events, [], False
-        _deliver_all(events)
+        deliver(events)
 
 
 _INBOXES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopInbox]" = weakref.WeakKeyDictionary()
@@ -166,7 +166,9 @@ def _inbox(loop: asyncio.AbstractEventLoop) -> _LoopInbox:
     return inbox
 
 
-def _deliver_all(batch: list) -> None:
+def deliver(batch: list) -> None:
+    """On the loop thread: each (submission, event) to its request, in order; one failing delivery (its on_done)
+    does not stop the others."""
     for sub, event in batch:
         try:
             sub._deliver(event)
