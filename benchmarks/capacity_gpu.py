@@ -6,9 +6,13 @@ Three parts (`--parts`):
 - `pool`: `max_model_len 40960`, `max_running_requests 64`, `memory_fraction 0.85`: the engine starts (the pool
   holds what weights and the profiled reserve leave) and decodes 64 concurrent requests of `--pool-prompt`
   tokens; reports pool tokens, memory in use after capture, and whether all 64 ran at once.
-- `gap`: 31 requests decode; then a `--long-prompt`-token prompt arrives. For each `--chunks` budget: the running
-  requests' longest gap between engine steps while the long prompt prefills, against their median step time
-  before it (issue 17 asks <= 3x).
+- `gap`: 31 requests decode; then a `--long-prompt`-token prompt arrives. For each `--chunks` budget and
+  `--stall-ratios` value (`EngineConfig.prefill_stall_ratio`; default the engine's): the running requests'
+  longest gap between engine steps while the long prompt prefills, against their median step time before it
+  (issue 17 asks <= 3x, issue 24 <= 2x). With it, where the time goes: the five longest steps (the chunk, its
+  context, the chunk time the budget predicted, the limit and floor it was cut by), the mean of each step's time
+  beyond the median step and the predicted chunk, the start-up timings behind the budget, and the prefill bucket
+  times measured again with distinct pages, beside the start-up's (all on the scratch page).
 - `ttft`: a `--repeat-prompt`-token prompt sent twice (prefix caching on): time to first token of each.
 
     python benchmarks/capacity_gpu.py --out $OUT/capacity.json          # H200: about 3-5 minutes
@@ -34,7 +38,9 @@ from gpu_step import SHAPES, build_models  # noqa: E402
 
 from dscale_runtime.config import EngineConfig, SamplingParams  # noqa: E402
 from dscale_runtime.engine import Engine  # noqa: E402
+from dscale_runtime.graphs import cuda_times  # noqa: E402
 from dscale_runtime.kernels import KernelChoice  # noqa: E402
+from dscale_runtime.prefill import FLOOR_FACTOR, PrefillChunk  # noqa: E402
 
 
 def sync() -> None:
@@ -79,44 +85,92 @@ def part_pool(models, args, gen) -> dict:
     return row
 
 
+def distinct_page_times(engine: Engine, ctx: int, reps: int = 5) -> dict[int, list[float]]:
+    """Each prefill bucket's greedy step (one request) from position 0 and after `ctx` keys, its pages distinct
+    pool pages (start-up measures them all on the scratch page): [ms from 0, ms after ctx, start-up's pair]. Run
+    on a fresh engine only: it writes junk into pages 1.. of the pool."""
+    pre, times = engine.prefiller, {}
+    span = pre.max_pages * pre.page_size
+    for tokens in pre.buckets:
+        if tokens > span:
+            continue
+        step, row = pre.get(tokens, False, False), []
+        for start in (0, min(ctx, span - tokens)):
+            pages = list(range(1, 1 + -(-(start + tokens) // pre.page_size)))
+            step.buf.fill([PrefillChunk([0] * tokens, start, pages)], pre.state.dummy)
+            step()
+            row.append(round(float(statistics.median(cuda_times(step, reps))), 3))
+        times[tokens] = row + [round(t, 3) for t in pre.bucket_ms[tokens][:2]]
+    return times
+
+
 def part_gap(models, args, gen) -> list[dict]:
     vocab = models[0].config.vocab_size
     rows = []
     for chunk in args.chunks:
-        engine = engine_for(models, args, max_model_len=args.long_prompt + 1024, max_running_requests=32,
-                            chunked_prefill_tokens=chunk, prefix_caching=False)
-        decode = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
-        for _ in range(31):
-            engine.add_request(random_prompt(gen, vocab, 512), decode)
-        while any(r.prefilling for r in engine.scheduler.running) or engine.num_waiting:  # admit and prefill
-            engine.step()
-        for _ in range(4):  # warm up
-            engine.step()
-        sync()
-        steps = []
-        for _ in range(20):
-            t0 = time.perf_counter()
-            engine.step()
-            sync()
-            steps.append(time.perf_counter() - t0)
-        long_id = engine.add_request(random_prompt(gen, vocab, args.long_prompt),
-                                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        gaps, t_arrive = [], time.perf_counter()
-        while not engine.generated_token_ids(long_id):
-            t0 = time.perf_counter()
-            engine.step()
-            sync()
-            gaps.append(time.perf_counter() - t0)
-        median = statistics.median(steps)
-        rows.append({"chunked_prefill_tokens": chunk, "median_step_ms": round(median * 1000, 2),
-                     "longest_gap_ms": round(max(gaps) * 1000, 2), "gap_over_median": round(max(gaps) / median, 2),
-                     "steps_until_first_token": len(gaps),
-                     "long_prompt_ttft_s": round(time.perf_counter() - t_arrive, 3)})
-        print(json.dumps(rows[-1]), flush=True)
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        for ratio in args.stall_ratios:
+            rows.append(gap_run(models, args, gen, vocab, chunk, ratio))
     return rows
+
+
+def gap_run(models, args, gen, vocab: int, chunk: int, ratio: float | None) -> dict:
+    extra = {} if ratio is None else {"prefill_stall_ratio": ratio}
+    engine = engine_for(models, args, max_model_len=args.long_prompt + 1024, max_running_requests=32,
+                        chunked_prefill_tokens=chunk, prefix_caching=False, **extra)
+    startup = {"decode_ms": {b: round(v, 3) for b, v in engine.decode_ms.items()},
+               "prefill_ms_from_0_and_after_keys": {b: [round(a, 3), round(c, 3), k]
+                                                    for b, (a, c, k) in engine.prefiller.bucket_ms.items()}}
+    if engine.prefiller.bucket_ms and args.device == "cuda":
+        startup["distinct_pages_vs_scratch_ms"] = distinct_page_times(engine, args.long_prompt)
+    decode = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    for _ in range(31):
+        engine.add_request(random_prompt(gen, vocab, 512), decode)
+    while any(r.prefilling for r in engine.scheduler.running) or engine.num_waiting:  # admit and prefill
+        engine.step()
+    for _ in range(4):  # warm up
+        engine.step()
+    sync()
+    steps = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        steps.append(time.perf_counter() - t0)
+    median = statistics.median(steps)
+    long_id = engine.add_request(random_prompt(gen, vocab, args.long_prompt),
+                                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    pre, cfg = engine.prefiller, engine.config
+    gaps, detail, t_arrive = [], [], time.perf_counter()
+    while not engine.generated_token_ids(long_id):
+        request = next((r for r in engine.scheduler.running if r.request_id == long_id), None)
+        ctx = request.num_computed if request is not None else 0
+        limit = cfg.prefill_stall_ratio * engine.stall_reference_ms(31) if engine.decode_ms else float("nan")
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        gaps.append(time.perf_counter() - t0)
+        request = next((r for r in engine.scheduler.running if r.request_id == long_id), request)
+        tokens = (request.num_computed if request is not None else args.long_prompt) - ctx
+        bucket = pre.bucket(tokens) if tokens > 0 else None
+        predicted = pre.ms_at(bucket, ctx) if bucket in pre.bucket_ms else float("nan")
+        floor = FLOOR_FACTOR * min(pre.ms_at(b, ctx) for b in pre.bucket_ms) if pre.bucket_ms else float("nan")
+        detail.append({"gap_ms": round(gaps[-1] * 1e3, 2), "chunk": tokens, "ctx": ctx, "bucket": bucket,
+                       "predicted_ms": round(predicted, 2), "limit_ms": round(limit, 2), "floor_ms": round(floor, 2)})
+    beyond = [d["gap_ms"] - median * 1e3 - d["predicted_ms"] for d in detail if d["chunk"] > 0]
+    row = {"chunked_prefill_tokens": chunk, "prefill_stall_ratio": cfg.prefill_stall_ratio,
+           "median_step_ms": round(median * 1000, 2), "longest_gap_ms": round(max(gaps) * 1000, 2),
+           "gap_over_median": round(max(gaps) / median, 2), "steps_until_first_token": len(gaps),
+           "long_prompt_ttft_s": round(time.perf_counter() - t_arrive, 3),
+           "mean_chunk": round(statistics.mean(d["chunk"] for d in detail), 1),
+           "floor_bound_steps": sum(d["floor_ms"] > d["limit_ms"] for d in detail),
+           "beyond_predicted_ms_mean": round(statistics.mean(beyond), 2) if beyond else None,
+           "beyond_predicted_ms_max": round(max(beyond), 2) if beyond else None,
+           "longest_steps": sorted(detail, key=lambda d: -d["gap_ms"])[:5], "startup": startup}
+    print(json.dumps(row), flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
 
 
 def part_ttft(models, args, gen) -> dict:
@@ -150,6 +204,8 @@ def main() -> None:
     parser.add_argument("--pool-tokens", type=int, default=64)
     parser.add_argument("--long-prompt", type=int, default=16384)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--stall-ratios", type=float, nargs="+", default=[None],
+                        help="EngineConfig.prefill_stall_ratio values of the gap part (default: the engine's)")
     parser.add_argument("--repeat-prompt", type=int, default=2048)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")

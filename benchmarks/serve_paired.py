@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dscale_runtime.bench import BenchConfig, closed_loop, manifest, read_counters, request_stream, \
-    server_identity, summarise  # noqa: E402
+from dscale_runtime.bench import BenchConfig, Clients, closed_loop, manifest, read_counters, server_identity, \
+    summarise  # noqa: E402
 
 SAMPLING = {"--temperature": ("temperature", float), "--top-p": ("top_p", float), "--top-k": ("top_k", int)}
 
@@ -104,17 +104,24 @@ def pin_tree(root: int, cpus: set[int]) -> int:
     return pinned
 
 
-def one_pass(config: BenchConfig, url: str, model: str, c: int, measured: list[dict]) -> dict:
+def one_pass(config: BenchConfig, url: str, model: str, c: int, measured: list[dict], clients: Clients) -> dict:
     before = read_counters(url)
-    records = asyncio.run(closed_loop(url, model, measured, c, config.timeout, config.min_duration_s,
-                                      config.request_cap, request_stream(config)))
-    return summarise(records, before, read_counters(url))
+    records, client_cpu = clients.run_pass(config, url, model, c, measured)
+    return summarise(records, before, read_counters(url), client_cpu)
 
 
 def paired(servers: dict[str, str], points: dict[str, dict], levels: list[int], rounds: int, pass_s: float,
            num_requests: int, warmup: int, max_tokens: int, pids: dict[str, int] | None = None,
-           core_sets: list[set[int]] | None = None) -> list[dict]:
-    """With `pids` and `core_sets`, round r pins server i to core set (i + r) mod len(core_sets) first."""
+           core_sets: list[set[int]] | None = None, client_processes: int = 1) -> list[dict]:
+    """With `pids` and `core_sets`, round r pins server i to core set (i + r) mod len(core_sets) first. The passes'
+    closed loops run in `client_processes` processes (dscale-bench --client-processes)."""
+    with Clients(client_processes) as clients:
+        return _paired(servers, points, levels, rounds, pass_s, num_requests, warmup, max_tokens, pids, core_sets,
+                       clients)
+
+
+def _paired(servers, points, levels, rounds, pass_s, num_requests, warmup, max_tokens, pids, core_sets,
+            clients: Clients) -> list[dict]:
     names = list(servers)
     if core_sets and (not pids or set(pids) != set(names) or len(core_sets) < len(names)):
         raise ValueError(f"core rotation needs a pid for every server ({', '.join(names)}) and at least "
@@ -137,7 +144,7 @@ def paired(servers: dict[str, str], points: dict[str, dict], levels: list[int], 
                         pin_tree(pids[name], cpus)
                         cores[name].append(sorted(cpus))
                 for name in names[r % len(names):] + names[: r % len(names)]:
-                    passes[name].append(one_pass(config, servers[name], models[name], c, measured))
+                    passes[name].append(one_pass(config, servers[name], models[name], c, measured, clients))
             tok = {name: [p["output_throughput"] for p in passes[name]] for name in names}
             best_of_round = [max(tok[name][r] for name in names) for r in range(rounds)]
             row = {"point": point, **sampling, "concurrency": c, "servers": {}}
@@ -147,7 +154,8 @@ def paired(servers: dict[str, str], points: dict[str, dict], levels: list[int], 
                          "vs_best": statistics.median(vs_best), "vs_best_range": [min(vs_best), max(vs_best)],
                          "acceptance_length": statistics.median(p["mean_acceptance_length"] for p in passes[name]),
                          "ttft_median": statistics.median(p["ttft_median"] for p in passes[name]),
-                         "pass_s_min": min(p["duration"] for p in passes[name])}
+                         "pass_s_min": min(p["duration"] for p in passes[name]),
+                         "client_cpu_max": max(p["client_cpu"] for p in passes[name])}
                 if core_sets:
                     entry["cores_rounds"] = cores[name]
                 if "target" in tok:
@@ -193,17 +201,20 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--core-sets", default=None,
                         help="cpulists separated by ';' (e.g. '0-3;4-7;8-11'), one or more per server: the servers "
                              "rotate over them round by round")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="processes the closed loops run in (dscale-bench --client-processes)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     servers = dict(s.split("=", 1) for s in args.servers.split(",") if s)
-    if not servers or args.rounds < 1:
-        parser.error("--servers needs name=url entries and --rounds >= 1")
+    if not servers or args.rounds < 1 or args.client_processes < 1:
+        parser.error("--servers needs name=url entries, --rounds >= 1 and --client-processes >= 1")
     pids = {k: int(v) for k, v in (p.split("=", 1) for p in args.pids.split(",") if p)} if args.pids else None
     core_sets = [cpu_list(c) for c in args.core_sets.split(";") if c.strip()] if args.core_sets else None
     if (pids is None) != (core_sets is None):
         parser.error("--pids and --core-sets go together")
     rows = paired(servers, parse_points(args.points), [int(c) for c in args.concurrency.split(",")], args.rounds,
-                  args.pass_s, args.num_requests, args.warmup, args.max_tokens, pids, core_sets)
+                  args.pass_s, args.num_requests, args.warmup, args.max_tokens, pids, core_sets,
+                  args.client_processes)
     print(table(rows))
     if args.out:
         Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))

@@ -6,7 +6,8 @@
 # Usage: bash benchmarks/serve_sweep_gpu.sh OUT_DIR [DEVICE]   (env: CONFIGS, POINTS, CONCURRENCY, MIN_S, ROUNDS, PIN,
 # PAIRED: 1 = the servers compared pass by pass, benchmarks/serve_paired.py, OUT_DIR/paired.json, pinned servers
 # rotating over their core sets round by round (ROUNDS a multiple of the server count shares them equally); NUM_REQUESTS:
-# its requests per pass at least, default 64; STAGGER: 1 (default) = each server starts once the one before is up)
+# its requests per pass at least, default 64; STAGGER: 1 (default) = each server starts once the one before is up;
+# CLIENT_PROCESSES: the bench client's processes, default 1: dscale-bench / serve_paired.py --client-processes)
 # Writes OUT_DIR/<config>/<point>/bench.{json,csv} (<point>.r<round> with ROUNDS > 1) and server logs; then prints
 # one table of every point, the median over the rounds with their spread (benchmarks/serve_sweep_summary.py, also
 # written to OUT_DIR/summary.json).
@@ -101,7 +102,7 @@ if [ "${PAIRED:-0}" = 1 ]; then
   # shellcheck disable=SC2046
   $(pin_cmd "${#config_list[@]}") python benchmarks/serve_paired.py --servers "${urls%,}" --points "$points" \
     --concurrency "$concurrency" --rounds "$rounds" --pass-s "$min_s" --num-requests "${NUM_REQUESTS:-64}" \
-    ${rotate[@]+"${rotate[@]}"} --out "$out/paired.json"
+    --client-processes "${CLIENT_PROCESSES:-1}" ${rotate[@]+"${rotate[@]}"} --out "$out/paired.json"
   rounds=0
 fi
 for ((r = 1; r <= rounds; r++)); do
@@ -114,7 +115,7 @@ for ((r = 1; r <= rounds; r++)); do
       port=${ports[$name]}
       # shellcheck disable=SC2086
       $(pin_cmd "${#config_list[@]}") python -m dscale_runtime.bench --url "http://127.0.0.1:$port" \
-        --concurrency "$concurrency" --num-requests 64 \
+        --concurrency "$concurrency" --num-requests 64 --client-processes "${CLIENT_PROCESSES:-1}" \
         --warmup 8 --repetitions 1 --min-duration-s "$min_s" --max-tokens 64 $pflags \
         --output "$out/$name/$dir" 2>&1 | grep -E "^\[dscale-bench\].*pass|Error|error" | sed "s/^/[$name $dir] /"
     done

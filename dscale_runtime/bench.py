@@ -50,8 +50,9 @@ METRICS = ("output_throughput", "e2e_mean", "e2e_p95", "e2e_p99", "ttft_mean", "
            "mean_acceptance_length", "completion_tokens", "duration",
            "requests", "request_throughput", *(k for k in LATENCY_FIGURES if k != "e2e_p99"), "client_cpu")
 CLIENT_BUSY = 0.8
-"""A pass whose closed loop kept its thread busier than this share of a core may have been limited by the client
-(one asyncio thread): the pass line says so (then run the client on a quieter machine or core)."""
+"""A pass whose closed loop kept a client thread busier than this share of a core may have been limited by the
+client (one asyncio thread per client process): the pass line says so (then raise --client-processes, or run the
+client on a quieter machine)."""
 SAMPLING = ("temperature", "top_p", "top_k", "sampling_seed")
 SIZING = ("min_duration_s", "max_requests")
 # Min / median / max over a point's passes ("spread"; CSV columns NAME_min and NAME_max after the medians).
@@ -119,6 +120,10 @@ class BenchConfig:
     """--launch: dscale-serve --device."""
     timeout: float = 600.0
     """Seconds one request (or a launched server's start) may take."""
+    client_processes: int = 1
+    """Processes the closed loop's clients run in, each an asyncio loop on its own core (at most --concurrency):
+    raise it when a pass says the client used most of a core (one process sends ~20K streamed tokens/s). The
+    clients split as evenly as the concurrency allows; a pass's requests and its duration target stay one pass's."""
 
     def __post_init__(self) -> None:
         if self.launch == (self.url is not None):
@@ -132,7 +137,7 @@ class BenchConfig:
             levels = []
         if not levels or min(levels) < 1:
             raise ValueError(f"--concurrency must be positive integers separated by commas, got '{self.concurrency}'")
-        for name in ("num_requests", "max_tokens", "repetitions"):
+        for name in ("num_requests", "max_tokens", "repetitions", "client_processes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
@@ -242,28 +247,49 @@ async def _send(http: httpx.AsyncClient, model: str, request: dict, start: float
 
 async def closed_loop(url: str, model: str, requests: list[dict], concurrency: int, timeout: float,
                       min_duration_s: float = 0.0, max_requests: int | None = None,
-                      more: Callable[[int], dict] | None = None) -> list[dict]:
+                      more: Callable[[int], dict] | None = None, counter=None) -> list[dict]:
     """Send `requests` with `concurrency` workers, each starting its next request when its last one ends. With
     min_duration_s > 0 the workers go on past them with request k = more(k) (default: requests cycled) until the
     pass has lasted min_duration_s from its first request's start: a worker whose last request ended before that
     sends another, so the last request ends at or after it. `max_requests` (>= len(requests)) bounds the pass.
-    Every record carries its request's index k in the pass, its id and its seed."""
+    Client processes sharing one pass share its next index through `counter` (a multiprocessing Value, 0 at the
+    pass's start): each index is sent once, by one process, and each process holds the pass to min_duration_s
+    from its own first request. Every record carries its request's index k in the pass, its id and its seed."""
     n = len(requests)
     cap = max(n, max_requests) if max_requests is not None else math.inf
     more = more or (lambda k: requests[k % n])
     records: list[dict] = []
     issued, first_start = 0, None
 
+    def claim(clock: float) -> int | None:
+        """The next index of the pass, or None when it is over for a worker whose last request ended at `clock`."""
+        nonlocal issued
+        if counter is None:
+            k = issued
+        else:
+            counter.acquire()
+            k = counter.value
+        try:
+            if k >= n and (k >= cap or clock - first_start >= min_duration_s):
+                return None
+            if counter is None:
+                issued = k + 1
+            else:
+                counter.value = k + 1
+            return k
+        finally:
+            if counter is not None:
+                counter.release()
+
     async def worker(http: httpx.AsyncClient) -> None:
-        nonlocal issued, first_start
+        nonlocal first_start
         last_end = None
         while True:  # the check and the claim of index k have no await between them: one worker claims each k
             now = time.perf_counter()
             first_start = now if first_start is None else first_start
-            clock = now if last_end is None else last_end
-            if issued >= n and (issued >= cap or clock - first_start >= min_duration_s):
+            k = claim(now if last_end is None else last_end)
+            if k is None:
                 return
-            k, issued = issued, issued + 1
             request = requests[k] if k < n else more(k)
             record = await _send(http, model, request, start=now)
             last_end = record["end"]
@@ -355,26 +381,91 @@ def point_figures(passes: list[dict], records: list[list[dict]]) -> dict:
             "spread": spread(passes), "pooled": latency_figures([r for pass_records in records for r in pass_records])}
 
 
+_COUNTER = None
+"""In a client process: the next index of the pass under way, shared by every client process (`Clients`)."""
+
+
+def _share_counter(counter) -> None:
+    global _COUNTER
+    _COUNTER = counter
+
+
+def _client_part(url: str, model: str, requests: list[dict], concurrency: int, config: BenchConfig,
+                 start: float) -> tuple[list[dict], float]:
+    """One client process's share of a measured pass (`concurrency` of its workers): its records and the CPU its
+    loop's thread used per second of its loop. Waits for `start` (a perf_counter time), when every process begins."""
+    more = request_stream(config)
+    time.sleep(max(0.0, start - time.perf_counter()))
+    cpu, wall = time.thread_time(), time.perf_counter()
+    records = asyncio.run(closed_loop(url, model, requests, concurrency, config.timeout, config.min_duration_s,
+                                      config.request_cap, more, _COUNTER))
+    return records, (time.thread_time() - cpu) / (time.perf_counter() - wall)
+
+
+class Clients:
+    """Where the measured passes' closed loops run: this thread (one process), or `processes` spawned processes
+    (a context manager: they start once, before the first pass, and serve every pass after)."""
+
+    START_S = 0.2
+    """The parts of a pass begin together this long after it is handed out (a process that is late begins late)."""
+
+    def __init__(self, processes: int = 1) -> None:
+        self.processes = processes
+        self.pool = None
+
+    def __enter__(self) -> "Clients":
+        if self.processes > 1:
+            import concurrent.futures
+            import multiprocessing
+
+            context = multiprocessing.get_context("spawn")
+            self.counter = context.Value("q", 0)
+            self.pool = concurrent.futures.ProcessPoolExecutor(self.processes, mp_context=context,
+                                                               initializer=_share_counter, initargs=(self.counter,))
+            list(self.pool.map(time.sleep, [0.05] * self.processes))  # NOTE: every process up before a pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            self.pool = None
+
+    def run_pass(self, config: BenchConfig, url: str, model: str, concurrency: int,
+                 measured: list[dict]) -> tuple[list[dict], float]:
+        """One measured pass (sized by config; past `measured` the draw continued, `request_stream`): its request
+        records and the client's CPU, the busiest client thread's CPU seconds per second of the pass."""
+        parts = min(self.processes, concurrency) if self.pool is not None else 1
+        if parts == 1:  # NOTE: the closed loop runs on this thread (asyncio.run): its CPU time is the client's own
+            cpu, wall = time.thread_time(), time.perf_counter()
+            records = asyncio.run(closed_loop(url, model, measured, concurrency, config.timeout,
+                                              config.min_duration_s, config.request_cap, request_stream(config)))
+            return records, (time.thread_time() - cpu) / (time.perf_counter() - wall)
+        self.counter.value = 0
+        start = time.perf_counter() + self.START_S
+        shares = [concurrency // parts + (j < concurrency % parts) for j in range(parts)]
+        futures = [self.pool.submit(_client_part, url, model, measured, share, config, start) for share in shares]
+        results = [f.result() for f in futures]
+        return [r for records, _ in results for r in records], max(cpu for _, cpu in results)
+
+
 def measure_point(config: BenchConfig, url: str, model: str, concurrency: int, warmup: list[dict],
-                  measured: list[dict], more: Callable[[int], dict] | None = None) -> dict:
+                  measured: list[dict], clients: Clients | None = None) -> dict:
     """Warmup, then config.repetitions passes (each sized by --min-duration-s / --max-requests; past `measured`
-    a pass sends more(k), default: request_stream(config)). The point's "records" (one list of request records
-    per pass) are for bench_requests.csv; run() takes them out of the report."""
+    a pass sends the draw continued, `request_stream(config)`) on `clients` (default: this thread). The point's
+    "records" (one list of request records per pass) are for bench_requests.csv; run() takes them out of the
+    report."""
     if warmup:
         asyncio.run(closed_loop(url, model, warmup, concurrency, config.timeout))
-    more = more or request_stream(config)
+    clients = clients or Clients()
     passes, records = [], []
     for i in range(config.repetitions):
         before = read_counters(url)
-        # NOTE: the closed loop runs on this thread (asyncio.run): its CPU time is the client's own
-        cpu, wall = time.thread_time(), time.perf_counter()
-        pass_records = asyncio.run(closed_loop(url, model, measured, concurrency, config.timeout,
-                                               config.min_duration_s, config.request_cap, more))
-        client_cpu = (time.thread_time() - cpu) / (time.perf_counter() - wall)
+        pass_records, client_cpu = clients.run_pass(config, url, model, concurrency, measured)
         passes.append(summarise(pass_records, before, read_counters(url), client_cpu))
         records.append(sorted(pass_records, key=lambda r: r["index"]))
         short = passes[-1]["duration"] < config.min_duration_s
-        busy = (f"; the client used {client_cpu:.2f} of a core and may have limited this pass"
+        busy = (f"; the client used {client_cpu:.2f} of a core and may have limited this pass "
+                f"(--client-processes {config.client_processes})"
                 if client_cpu > CLIENT_BUSY else f"; client CPU {client_cpu:.2f} of a core")
         print(f"[dscale-bench]   pass {i + 1}: {passes[-1]['requests']} requests in {passes[-1]['duration']:.2f} s"
               f"{f' (stopped at --max-requests {config.request_cap}, short of the --min-duration-s target)' if short else ''}"
@@ -564,21 +655,22 @@ def run(config: BenchConfig, command: str | None = None) -> dict:
     records: list[list[list[dict]]] = []  # per point, per pass: the request records (bench_requests.csv)
     sized = (f" and >= {config.min_duration_s} s (at most {config.request_cap})" if config.min_duration_s else "")
 
-    def sweep(url: str, mode: str) -> None:
+    def sweep(url: str, mode: str, clients: Clients) -> None:
         model, _ = server_identity(url)
         for c in config.concurrency_list:
             print(f"[dscale-bench] {mode} c={c}: {config.warmup} warmup + {config.repetitions} x "
                   f"{len(measured)} requests{sized}", flush=True)
-            point = measure_point(config, url, model, c, warmup, measured, more)
+            point = measure_point(config, url, model, c, warmup, measured, clients)
             records.append(point.pop("records"))
             points.append({"mode": mode, **config.sampling, **config.sizing, **point})
 
-    if config.launch:
-        for mode in config.mode_list:
-            with LaunchedServer(config, mode, out / f"server-{mode}.log") as server:
-                sweep(server.url, mode)
-    else:
-        sweep(config.url, server_identity(config.url)[1])
+    with Clients(config.client_processes) as clients:
+        if config.launch:
+            for mode in config.mode_list:
+                with LaunchedServer(config, mode, out / f"server-{mode}.log") as server:
+                    sweep(server.url, mode, clients)
+        else:
+            sweep(config.url, server_identity(config.url)[1], clients)
     longest = max(len(pass_records) for point in records for pass_records in point)  # requests k < longest sent
     report = {
         "command": command,

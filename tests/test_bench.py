@@ -54,6 +54,8 @@ def test_config_names_the_flag_to_fix():
         BenchConfig(launch=True, concurrency="1,x")
     with pytest.raises(ValueError, match="--num-requests"):
         BenchConfig(launch=True, num_requests=0)
+    with pytest.raises(ValueError, match="--client-processes"):
+        BenchConfig(launch=True, client_processes=0)
     assert BenchConfig(launch=True, concurrency="1, 4,16").concurrency_list == [1, 4, 16]
 
 
@@ -272,6 +274,57 @@ def test_closed_loop_runs_until_the_duration_target(monkeypatch):
     assert len(cycled) >= 6 and [r["id"] for r in sorted(cycled, key=lambda r: r["index"])][3:6] == ["m0", "m1", "m2"]
 
 
+def test_closed_loop_shares_its_indices_through_a_counter(monkeypatch):
+    """Client processes share a pass through one counter (here two threads, each its own event loop): together they
+    send the manifest, then the draw continued, every index once, until the duration target, or the cap."""
+    import multiprocessing
+
+    monkeypatch.setattr(bench_module, "_send", fake_send(0.01))
+    requests = [{"id": f"m{i}", "seed": i} for i in range(5)]
+    more = lambda k: {"id": f"x{k}", "seed": 100 + k}
+
+    def shared(**kwargs):
+        counter, out = multiprocessing.Value("q", 0), [None, None]
+
+        def part(j):
+            out[j] = asyncio.run(closed_loop("http://unused", "m", requests, 2, 5.0, more=more, counter=counter,
+                                             **kwargs))
+        threads = [threading.Thread(target=part, args=(j,)) for j in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    exact = shared()
+    assert sorted(r["id"] for part in exact for r in part) == [f"m{i}" for i in range(5)]
+    capped = shared(min_duration_s=60, max_requests=11)
+    assert sorted(r["index"] for part in capped for r in part) == list(range(11))
+    held = shared(min_duration_s=0.2, max_requests=1000)
+    records = held[0] + held[1]
+    assert held[0] and held[1] and sorted(r["index"] for r in records) == list(range(len(records)))
+    assert all(max(r["end"] for r in part) - min(r["start"] for r in part) >= 0.2 for part in held)
+    assert all(r["id"] == f"x{r['index']}" and r["seed"] == 100 + r["index"] for r in records if r["index"] >= 5)
+
+
+def test_client_processes_share_a_pass_against_a_server(tiny):
+    """--client-processes 2 against a fast stand-in server: one pass's requests come from both processes, every
+    index once, the manifest then the draw continued (the same seeds as one process sends), lasting the target."""
+    _, prompt_file = tiny
+    config = BenchConfig(prompts=str(prompt_file), concurrency="3", num_requests=4, warmup=0, max_tokens=3,
+                         url="placeholder", min_duration_s=0.5, max_requests=400, client_processes=2)
+    stream = request_stream(config)
+    with FakeServer() as server, bench_module.Clients(2) as clients:
+        records, cpu = clients.run_pass(config, server.url, "fake", 3, manifest(config)[1])
+        bodies = list(server.bodies)
+    indices = sorted(r["index"] for r in records)
+    assert indices == list(range(len(records))) and len(records) > 4
+    assert sorted((b["seed"], b["prompt"]) for b in bodies) == [(stream(k)["seed"], stream(k)["prompt"])
+                                                              for k in indices]
+    assert max(r["end"] for r in records) - min(r["start"] for r in records) >= 0.5
+    assert 0 < cpu < 2
+
+
 def test_point_spread_and_pooled_figures_follow_the_requests():
     def records(ttfts, e2e_scale):
         return [{"start": float(i), "first": float(i) + t, "end": float(i) + e2e_scale * (1 + i % 3), "tokens": 1 + i % 4}
@@ -441,11 +494,11 @@ def test_serve_paired_takes_each_ratio_within_its_round(monkeypatch, capsys):
             paired.parse_points(bad)
     order, speed = [], {"target": 1.0, "fast": 2.0, "slow": 1.9}
 
-    def one_pass(config, url, model, c, measured):  # the machine runs at 1, 3, 2 x in rounds 1, 2, 3
+    def one_pass(config, url, model, c, measured, clients):  # the machine runs at 1, 3, 2 x in rounds 1, 2, 3
         order.append(url)
         drift = (1.0, 3.0, 2.0)[(len(order) - 1) // 3 % 3]  # NOTE: three servers, three passes a round
         return {"output_throughput": 100 * c * speed[url] * drift, "mean_acceptance_length": 2.0,
-                "ttft_median": 0.01, "duration": 1.5}
+                "ttft_median": 0.01, "duration": 1.5, "client_cpu": 0.1 * len(order)}
 
     monkeypatch.setattr(paired, "one_pass", one_pass)
     monkeypatch.setattr(paired, "server_identity", lambda url: ("m", url))
@@ -459,6 +512,7 @@ def test_serve_paired_takes_each_ratio_within_its_round(monkeypatch, capsys):
         assert s["slow"]["vs_best"] == pytest.approx(0.95)
         assert s["slow"]["vs_best_range"] == pytest.approx([0.95, 0.95])
         assert s["fast"]["vs_target"] == pytest.approx(2.0) and s["fast"]["tok_s"] == 200 * row["concurrency"] * 2.0
+    assert rows[0]["servers"]["target"]["client_cpu_max"] == pytest.approx(0.8)  # its passes: 1st, 6th and 8th
     assert "| greedy | 8 |" in paired.table(rows)
     # pinned servers trade core sets round by round: each gets each set once in three rounds
     pins = []
