@@ -210,8 +210,8 @@ class Engine:
             device=self.device, pool=self.runner.pool)
         self.decode_ms: dict[int, float] = {}
         """Measured greedy decode step (ms) of each bucket's served step, for the prefill chunk budget."""
-        if captured_prefill:
-            self.prefiller.prepare()
+        if captured_prefill:  # NOTE: nothing holds a page yet: the bucket timings may write every pool page
+            self.prefiller.prepare(free_pages=self.allocator.num_pages - 1)
             self.decode_ms = self._time_decode_steps()
             if self.tensor_parallel:
                 self._agree_chunk_timings()

@@ -17,6 +17,7 @@ the same code as the captured path, at the cost of its math.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -273,21 +274,24 @@ class PrefillRunner:
                                                                                                self.pool)
         return self.steps[key]
 
-    def prepare(self) -> None:
+    def prepare(self, free_pages: int = 0) -> None:
         """Capture every bucket's step of every draw kind, largest first (CUDA graphs, one shared pool), so no
-        request waits for a capture or a compile; then time the greedy ones (`bucket_ms`)."""
+        request waits for a capture or a compile; then time the greedy ones (`bucket_ms`) on pool pages
+        1..`free_pages` (all free: their contents are junk after it)."""
         if self.use_graphs:
             collect_garbage(self.device)
         for tokens in reversed(self.buckets):
             for sampled, filtered in KINDS:
                 self.get(tokens, sampled, filtered)
         if self.use_graphs:
-            self.measure()
+            self.measure(free_pages=free_pages)
 
-    def measure(self, reps: int = 5, long_context: int | None = None) -> None:
-        """Median replay time of each bucket's greedy step with every row live, its pages all the scratch page:
-        the bucket's tokens from position 0, then after `long_context` keys (default: as many as the block
-        table holds beside the bucket, at most 16,384), so a chunk's time is known at any context (`ms_at`)."""
+    def measure(self, reps: int = 5, long_context: int | None = None, free_pages: int = 0) -> None:
+        """Median replay time of each bucket's greedy step with every row live: the bucket's tokens from position
+        0, then after `long_context` keys (default: as many as the block table holds beside the bucket, at most
+        16,384), so a chunk's time is known at any context (`ms_at`). The keys lie on distinct pages, pool pages
+        1..`free_pages` in turn (free ones: the step writes them), as a live request's do; with none given, all on
+        the scratch page, where a long context's keys stay in the L2 cache and read faster than live ones."""
         span = self.max_pages * self.page_size
         for tokens in self.buckets:
             step = self.get(tokens, False, False)
@@ -295,7 +299,10 @@ class PrefillRunner:
             sizes = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
             times = []
             for ctx in (0, min(long_context or 16384, span - per)):
-                chunks = [PrefillChunk([0] * k, ctx, [SCRATCH_PAGE] * -(-(ctx + k) // self.page_size)) for k in sizes]
+                pages = itertools.count()
+                chunks = [PrefillChunk([0] * k, ctx, [1 + next(pages) % free_pages if free_pages else SCRATCH_PAGE
+                                                      for _ in range(-(-(ctx + k) // self.page_size))])
+                          for k in sizes]
                 step.buf.fill(chunks[: self._requests_of(tokens)], self.state.dummy)
                 step()
                 times.append(float(np.median(cuda_times(step, reps))))

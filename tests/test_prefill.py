@@ -233,3 +233,32 @@ def test_a_step_never_writes_past_a_requests_pages(pair, overlap):  # noqa: F811
     engine.runner.launch = launch
     assert_same(engine.generate(prompts, params), want)
     assert not short, f"rows launched with too few pages (ctx, pages): {short}"
+
+
+def test_bucket_timings_use_distinct_free_pages_and_leave_decoding_exact(pair, plain, monkeypatch):  # noqa: F811
+    """Start-up times each bucket (`PrefillRunner.measure`, CUDA events; here one eager call each) with its keys on
+    distinct pool pages, as a live request's lie, not all on the scratch page (kept in L2, so a long context read
+    fast): every page it writes is a free pool page, and the junk it leaves there changes no request's tokens."""
+    import dscale_runtime.prefill as prefill_module
+
+    prompts, params, want = plain
+    engine = make_engine(pair, "target", max_running_requests=10, prefix_caching=False, chunked_prefill_tokens=0,
+                         sampling_rule="top1", prefill_buckets=(16, 48))
+    free = engine.allocator.num_pages - 1
+    tables, fill = [], prefill_module.PrefillBuffers.fill
+
+    def spy(buf, chunks, dummy_slot):
+        tables.extend((c.start, len(c.tokens), list(c.pages)) for c in chunks)
+        return fill(buf, chunks, dummy_slot)
+
+    monkeypatch.setattr(prefill_module.PrefillBuffers, "fill", spy)
+    monkeypatch.setattr(prefill_module, "cuda_times", lambda fn, reps: [fn(), 1.0][1:])
+    before = engine.target_cache.k.clone()
+    engine.prefiller.measure(long_context=60, free_pages=free)
+    assert set(engine.prefiller.bucket_ms) == {16, 48}
+    assert tables and all(len(pages) == -(-(start + n) // engine.config.page_size) for start, n, pages in tables)
+    assert all(len(set(pages)) == len(pages) and min(pages) >= 1 and max(pages) <= free for _, _, pages in tables)
+    assert any(start == 60 for start, _, _ in tables)
+    assert not torch.equal(before, engine.target_cache.k)  # the pages hold junk now
+    monkeypatch.undo()
+    assert_same(engine.generate(prompts, params), want)
