@@ -6,6 +6,8 @@ would see TTFT = one tick and e2e = events x tick at every concurrency; what it 
 lag, which every served figure of `dscale-bench` carries. Run it before reading a TTFT tail as the server's.
 
     python benchmarks/bench_client_ceiling.py --concurrency 8 32 --events 22 --tick-ms 2
+    python benchmarks/bench_client_ceiling.py --concurrency 32 --tick-ms 1 --client-processes 1 4   # the ceiling
+        # of 1 and of 4 client processes (`dscale-bench --client-processes`), the busiest one's CPU beside it
 """
 
 from __future__ import annotations
@@ -83,12 +85,14 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=22, help="SSE text chunks per answer (64 tokens at ~3 a step)")
     parser.add_argument("--tick-ms", type=float, default=2.0, help="time between a request's chunks")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds each pass lasts at least")
+    parser.add_argument("--client-processes", type=int, nargs="+", default=[1],
+                        help="client process counts to measure in turn (dscale-bench --client-processes)")
     parser.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the server process
     args = parser.parse_args()
     if args.serve is not None:
         return serve(args.serve, args.events, args.tick_ms / 1000)
 
-    from dscale_runtime.bench import BenchConfig, closed_loop, latency_figures, manifest, request_stream
+    from dscale_runtime.bench import BenchConfig, Clients, closed_loop, latency_figures, manifest
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -103,20 +107,22 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.05)
-        config = BenchConfig(url=url, num_requests=64, warmup=8, min_duration_s=args.duration)
+        config = BenchConfig(url=url, num_requests=64, warmup=8, min_duration_s=args.duration, max_requests=100_000)
         warmup, measured = manifest(config)
         ideal_e2e = args.events * args.tick_ms
         print(f"ideal: TTFT ~{args.tick_ms:.1f} ms, e2e ~{ideal_e2e:.0f} ms, c / e2e requests/s")
-        for c in args.concurrency:
-            asyncio.run(closed_loop(url, "stand-in", warmup, c, 60))
-            records = asyncio.run(closed_loop(url, "stand-in", measured, c, 60, args.duration, 100_000,
-                                              request_stream(config)))
-            duration = max(r["end"] for r in records) - min(r["start"] for r in records)
-            figures = latency_figures(records)  # dscale-bench's own percentiles
-            print(f"c={c}: {len(records) / duration:.0f} requests/s (ideal {1000 * c / ideal_e2e:.0f}), "
-                  f"{len(records) * (args.events + 1) / duration:.0f} SSE events/s, TTFT median "
-                  f"{1000 * figures['ttft_median']:.1f} ms p99 {1000 * figures['ttft_p99']:.1f} ms, e2e median "
-                  f"{1000 * figures['e2e_median']:.1f} ms", flush=True)
+        for processes in args.client_processes:
+            with Clients(processes) as clients:
+                for c in args.concurrency:
+                    asyncio.run(closed_loop(url, "stand-in", warmup, c, 60))
+                    records, cpu = clients.run_pass(config, url, "stand-in", c, measured)
+                    duration = max(r["end"] for r in records) - min(r["start"] for r in records)
+                    figures = latency_figures(records)  # dscale-bench's own percentiles
+                    print(f"processes={processes} c={c}: {len(records) / duration:.0f} requests/s (ideal "
+                          f"{1000 * c / ideal_e2e:.0f}), {len(records) * (args.events + 1) / duration:.0f} SSE "
+                          f"events/s, TTFT median {1000 * figures['ttft_median']:.1f} ms p99 "
+                          f"{1000 * figures['ttft_p99']:.1f} ms, e2e median {1000 * figures['e2e_median']:.1f} ms, "
+                          f"busiest client {cpu:.2f} core", flush=True)
     finally:
         server.terminate()
         server.wait(10)
