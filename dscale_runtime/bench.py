@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import aiohttp
 import certifi
 import httpx
 import numpy as np
@@ -220,17 +221,17 @@ def request_stream(config: BenchConfig) -> Callable[[int], dict]:
 
 
 # ---------------------------------------------------------------------------------------------- one pass
-async def _send(http: httpx.AsyncClient, model: str, request: dict, start: float | None = None) -> dict:
+async def _send(http: aiohttp.ClientSession, model: str, request: dict, start: float | None = None) -> dict:
     body = {"model": model, "prompt": request["prompt"], "stream": True, "stream_options": {"include_usage": True},
             **{k: request[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")}}
     start = time.perf_counter() if start is None else start
     first, tokens = None, None
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")
-            raise RuntimeError(f"request {request['id']}: HTTP {response.status_code}: {detail}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
+    async with http.post("v1/completions", json=body) as response:  # NOTE: relative: after the --url's path
+        if response.status != 200:
+            detail = (await response.read()).decode(errors="replace")
+            raise RuntimeError(f"request {request['id']}: HTTP {response.status}: {detail}")
+        async for line in response.content:  # NOTE: bytes, one SSE line each (its newline kept)
+            if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
@@ -281,7 +282,7 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
             if counter is not None:
                 counter.release()
 
-    async def worker(http: httpx.AsyncClient) -> None:
+    async def worker(http: aiohttp.ClientSession) -> None:
         nonlocal first_start
         last_end = None
         while True:  # the check and the claim of index k have no await between them: one worker claims each k
@@ -295,17 +296,20 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
             last_end = record["end"]
             records.append({**record, "index": k, "id": request["id"], "seed": request.get("seed")})
 
-    # NOTE: one connection per worker, in a client of its own, all made before the first request: a shared pool
-    # scans every connection (a poll() each) whenever a request starts or ends, which made this one-process
-    # client the bottleneck at c = 32; one TLS context for all (each new one loads the CA store, ~20 ms)
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    # NOTE: aiohttp (C HTTP parser), as vLLM's and SGLang's serving benchmarks: httpx parses every chunk in
+    # Python (h11), ~3x the CPU per streamed event, so one process saturated its core at c = 32 and its own lag
+    # was most of the measured TTFT (benchmarks/bench_client_ceiling.py). One connection per worker, in a session
+    # of its own (a shared pool costs every request a scan of its connections); one TLS context for all (each new
+    # one loads the CA store, ~20 ms).
     tls = ssl.create_default_context(cafile=certifi.where())
-    clients = [httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, verify=tls) for _ in range(concurrency)]
+    base = url.rstrip("/") + "/"
+    clients = [aiohttp.ClientSession(base_url=base, timeout=aiohttp.ClientTimeout(total=timeout),
+                                     connector=aiohttp.TCPConnector(limit=1, ssl=tls)) for _ in range(concurrency)]
     try:
         await asyncio.gather(*(worker(http) for http in clients))
     finally:
         for http in clients:
-            await http.aclose()
+            await http.close()
     return records
 
 
@@ -697,7 +701,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(BenchConfig, "dscale-bench", argv, __doc__.splitlines()[0])
     try:
         report = run(config, " ".join(["dscale-bench", *(sys.argv[1:] if argv is None else argv)]))
-    except (RuntimeError, ValueError, httpx.HTTPError) as exc:
+    except (RuntimeError, ValueError, httpx.HTTPError, aiohttp.ClientError, TimeoutError) as exc:
         sys.exit(f"dscale-bench: {exc}")
     print(table(report["points"]))
     print(f"\nwrote {config.output}/bench.json, {config.output}/bench.csv, {config.output}/bench_requests.csv, "
