@@ -304,7 +304,8 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
     tls = ssl.create_default_context(cafile=certifi.where())
     base = url.rstrip("/") + "/"
     clients = [aiohttp.ClientSession(base_url=base, timeout=aiohttp.ClientTimeout(total=timeout),
-                                     connector=aiohttp.TCPConnector(limit=1, ssl=tls)) for _ in range(concurrency)]
+                                     connector=aiohttp.TCPConnector(limit=1, ssl=tls), read_bufsize=2**20)
+               for _ in range(concurrency)]  # NOTE: read_bufsize: an SSE line may reach 2 MiB (aiohttp: 2x it)
     try:
         await asyncio.gather(*(worker(http) for http in clients))
     finally:
