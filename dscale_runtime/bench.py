@@ -123,8 +123,9 @@ class BenchConfig:
     """Seconds one request (or a launched server's start) may take."""
     client_processes: int = 1
     """Processes the closed loop's clients run in, each an asyncio loop on its own core (at most --concurrency):
-    raise it when a pass says the client used most of a core (one process sends ~20K streamed tokens/s). The
-    clients split as evenly as the concurrency allows; a pass's requests and its duration target stay one pass's."""
+    raise it when a pass says the client used most of a core (one process took half a core for ~21K streamed events/s
+    on a 2-core CPU machine, benchmarks/bench_client_ceiling.py). The clients split as evenly as the concurrency
+    allows; a pass's requests and its duration target stay one pass's."""
 
     def __post_init__(self) -> None:
         if self.launch == (self.url is not None):
