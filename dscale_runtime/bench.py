@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import platform
 import random
 import socket
@@ -398,14 +399,16 @@ def _share_counter(counter) -> None:
 
 def _client_part(url: str, model: str, requests: list[dict], concurrency: int, config: BenchConfig,
                  start: float) -> tuple[list[dict], float]:
-    """One client process's share of a measured pass (`concurrency` of its workers): its records and the CPU its
-    loop's thread used per second of its loop. Waits for `start` (a perf_counter time), when every process begins."""
+    """One client process's share of a measured pass (`concurrency` of its workers): its records (each with the
+    process's id, "client") and the CPU its loop's thread used per second of its loop. Waits for `start` (a
+    perf_counter time), when every process begins."""
     more = request_stream(config)
     time.sleep(max(0.0, start - time.perf_counter()))
     cpu, wall = time.thread_time(), time.perf_counter()
     records = asyncio.run(closed_loop(url, model, requests, concurrency, config.timeout, config.min_duration_s,
                                       config.request_cap, more, _COUNTER))
-    return records, (time.thread_time() - cpu) / (time.perf_counter() - wall)
+    cpu = (time.thread_time() - cpu) / (time.perf_counter() - wall)
+    return [{**r, "client": os.getpid()} for r in records], cpu
 
 
 class Clients:

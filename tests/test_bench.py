@@ -319,6 +319,7 @@ def test_client_processes_share_a_pass_against_a_server(tiny):
         bodies = list(server.bodies)
     indices = sorted(r["index"] for r in records)
     assert indices == list(range(len(records))) and len(records) > 4
+    assert len({r["client"] for r in records}) == 2 and os.getpid() not in {r["client"] for r in records}
     assert sorted((b["seed"], b["prompt"]) for b in bodies) == [(stream(k)["seed"], stream(k)["prompt"])
                                                               for k in indices]
     assert max(r["end"] for r in records) - min(r["start"] for r in records) >= 0.5
