@@ -38,9 +38,7 @@ from gpu_step import SHAPES, build_models  # noqa: E402
 
 from dscale_runtime.config import EngineConfig, SamplingParams  # noqa: E402
 from dscale_runtime.engine import Engine  # noqa: E402
-from dscale_runtime.graphs import cuda_times  # noqa: E402
 from dscale_runtime.kernels import KernelChoice  # noqa: E402
-from dscale_runtime.prefill import FLOOR_FACTOR, PrefillChunk  # noqa: E402
 
 
 def sync() -> None:
@@ -85,25 +83,18 @@ def part_pool(models, args, gen) -> dict:
     return row
 
 
-def page_layout_times(engine: Engine, ctx: int, reps: int = 5) -> dict[int, list[float]]:
-    """Each prefill bucket's greedy step (one request) from position 0 and after `ctx` keys, its pages all the
-    scratch page, then distinct pool pages: [scratch from 0, scratch after ctx, distinct from 0, distinct after
-    ctx, the start-up's pair]. Run on a fresh engine only: it writes junk into pages 1.. of the pool."""
-    pre, times = engine.prefiller, {}
-    span = pre.max_pages * pre.page_size
-    for tokens in pre.buckets:
-        if tokens > span:
-            continue
-        step, row = pre.get(tokens, False, False), []
-        for distinct in (False, True):
-            for start in (0, min(ctx, span - tokens)):
-                count = -(-(start + tokens) // pre.page_size)
-                pages = list(range(1, 1 + count)) if distinct else [0] * count
-                step.buf.fill([PrefillChunk([0] * tokens, start, pages)], pre.state.dummy)
-                step()
-                row.append(round(float(statistics.median(cuda_times(step, reps))), 3))
-        times[tokens] = row + [round(t, 3) for t in pre.bucket_ms[tokens][:2]]
-    return times
+def page_layout_times(engine: Engine, ctx: int) -> dict[int, list[float]]:
+    """Each prefill bucket timed as start-up times it (`PrefillRunner.measure`, from position 0 and after `ctx`
+    keys), its keys all on the scratch page, then on distinct pool pages: [scratch from 0, scratch after ctx,
+    distinct from 0, distinct after ctx, the start-up's pair]; the start-up's timings are kept. Run on a fresh
+    engine only: it writes junk into the pool's pages."""
+    pre = engine.prefiller
+    startup = dict(pre.bucket_ms)
+    pre.measure(long_context=ctx)
+    scratch = dict(pre.bucket_ms)
+    pre.measure(long_context=ctx, free_pages=engine.allocator.num_pages - 1)
+    distinct, pre.bucket_ms = pre.bucket_ms, startup
+    return {b: [round(t, 3) for t in (*scratch[b][:2], *distinct[b][:2], *startup[b][:2])] for b in startup}
 
 
 def part_gap(models, args, gen) -> list[dict]:
@@ -155,7 +146,7 @@ def gap_run(models, args, gen, vocab: int, chunk: int, ratio: float | None) -> d
         tokens = (request.num_computed if request is not None else args.long_prompt) - ctx
         bucket = pre.bucket(tokens) if tokens > 0 else None
         predicted = pre.ms_at(bucket, ctx) if bucket in pre.bucket_ms else float("nan")
-        floor = FLOOR_FACTOR * min(pre.ms_at(b, ctx) for b in pre.bucket_ms) if pre.bucket_ms else float("nan")
+        floor = pre.floor_ms(ctx) if pre.bucket_ms else float("nan")
         detail.append({"gap_ms": round(gaps[-1] * 1e3, 2), "chunk": tokens, "ctx": ctx, "bucket": bucket,
                        "predicted_ms": round(predicted, 2), "limit_ms": round(limit, 2), "floor_ms": round(floor, 2)})
     beyond = [d["gap_ms"] - median * 1e3 - d["predicted_ms"] for d in detail if d["chunk"] > 0]

@@ -248,6 +248,19 @@ async def _send(http: aiohttp.ClientSession, model: str, request: dict, start: f
     return {"start": start, "first": first if first is not None else end, "end": end, "tokens": tokens}
 
 
+class _OneProcess:
+    """A pass's next index where one process sends the whole pass (its workers share one thread: no lock)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def acquire(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
 async def closed_loop(url: str, model: str, requests: list[dict], concurrency: int, timeout: float,
                       min_duration_s: float = 0.0, max_requests: int | None = None,
                       more: Callable[[int], dict] | None = None, counter=None) -> list[dict]:
@@ -262,27 +275,20 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
     cap = max(n, max_requests) if max_requests is not None else math.inf
     more = more or (lambda k: requests[k % n])
     records: list[dict] = []
-    issued, first_start = 0, None
+    counter = counter if counter is not None else _OneProcess()
+    first_start = None
 
     def claim(clock: float) -> int | None:
         """The next index of the pass, or None when it is over for a worker whose last request ended at `clock`."""
-        nonlocal issued
-        if counter is None:
-            k = issued
-        else:
-            counter.acquire()
-            k = counter.value
+        counter.acquire()
         try:
+            k = counter.value
             if k >= n and (k >= cap or clock - first_start >= min_duration_s):
                 return None
-            if counter is None:
-                issued = k + 1
-            else:
-                counter.value = k + 1
+            counter.value = k + 1
             return k
         finally:
-            if counter is not None:
-                counter.release()
+            counter.release()
 
     async def worker(http: aiohttp.ClientSession) -> None:
         nonlocal first_start
@@ -397,17 +403,23 @@ def _share_counter(counter) -> None:
     _COUNTER = counter
 
 
-def _client_part(url: str, model: str, requests: list[dict], concurrency: int, config: BenchConfig,
-                 start: float) -> tuple[list[dict], float]:
-    """One client process's share of a measured pass (`concurrency` of its workers): its records (each with the
-    process's id, "client") and the CPU its loop's thread used per second of its loop. Waits for `start` (a
-    perf_counter time), when every process begins."""
+def _timed_loop(url: str, model: str, requests: list[dict], concurrency: int, config: BenchConfig,
+                counter=None) -> tuple[list[dict], float]:
+    """One measured pass's closed loop on this thread (`counter`: shared with other client processes): its records
+    and the CPU the thread used per second of the loop."""
     more = request_stream(config)
-    time.sleep(max(0.0, start - time.perf_counter()))
     cpu, wall = time.thread_time(), time.perf_counter()
     records = asyncio.run(closed_loop(url, model, requests, concurrency, config.timeout, config.min_duration_s,
-                                      config.request_cap, more, _COUNTER))
-    cpu = (time.thread_time() - cpu) / (time.perf_counter() - wall)
+                                      config.request_cap, more, counter))
+    return records, (time.thread_time() - cpu) / (time.perf_counter() - wall)
+
+
+def _client_part(url: str, model: str, requests: list[dict], concurrency: int, config: BenchConfig,
+                 start: float) -> tuple[list[dict], float]:
+    """One client process's share of a measured pass (`concurrency` of its workers, from `start`, a perf_counter
+    time when every process begins): `_timed_loop`'s figures, each record with the process's id ("client")."""
+    time.sleep(max(0.0, start - time.perf_counter()))
+    records, cpu = _timed_loop(url, model, requests, concurrency, config, _COUNTER)
     return [{**r, "client": os.getpid()} for r in records], cpu
 
 
@@ -444,11 +456,8 @@ class Clients:
         """One measured pass (sized by config; past `measured` the draw continued, `request_stream`): its request
         records and the client's CPU, the busiest client thread's CPU seconds per second of the pass."""
         parts = min(self.processes, concurrency) if self.pool is not None else 1
-        if parts == 1:  # NOTE: the closed loop runs on this thread (asyncio.run): its CPU time is the client's own
-            cpu, wall = time.thread_time(), time.perf_counter()
-            records = asyncio.run(closed_loop(url, model, measured, concurrency, config.timeout,
-                                              config.min_duration_s, config.request_cap, request_stream(config)))
-            return records, (time.thread_time() - cpu) / (time.perf_counter() - wall)
+        if parts == 1:  # NOTE: the closed loop runs on this thread: its CPU time is the client's own
+            return _timed_loop(url, model, measured, concurrency, config)
         self.counter.value = 0
         start = time.perf_counter() + self.START_S
         shares = [concurrency // parts + (j < concurrency % parts) for j in range(parts)]

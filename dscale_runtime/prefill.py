@@ -313,6 +313,10 @@ class PrefillRunner:
         short, long, c = self.bucket_ms[tokens]
         return short + max(0.0, long - short) * ctx / c
 
+    def floor_ms(self, ctx: int) -> float:
+        """The least a chunk after `ctx` keys may last beside decoding: FLOOR_FACTOR x the cheapest bucket's time."""
+        return FLOOR_FACTOR * min(self.ms_at(b, ctx) for b in self.bucket_ms)
+
     def budget(self, limit_ms: float, cap: int, ctx: int = 0) -> int:
         """The most tokens one prefill after `ctx` keys may take to last at most `limit_ms` (by `bucket_ms`):
         the largest bucket within it, at most `cap`. Where even the smallest bucket takes longer (a large model's
@@ -321,8 +325,7 @@ class PrefillRunner:
         that floor, so it takes as many tokens as cost about the same."""
         if not self.bucket_ms:
             return cap
-        floor = FLOOR_FACTOR * min(self.ms_at(b, ctx) for b in self.bucket_ms)
-        limit = max(limit_ms, floor)
+        limit = max(limit_ms, self.floor_ms(ctx))
         fits = [b for b in self.bucket_ms if self.ms_at(b, ctx) <= limit]
         return max(1, min(max(fits, default=min(self.bucket_ms)), cap))
 
