@@ -110,13 +110,16 @@ class EngineConfig:
     """Token counts of the prefill graphs; None: 16, 32, 64, 128, 256, then steps of x1.5 / x1.33 up to
     `chunked_prefill_tokens` (8,192 when chunking is off) and `max_model_len`. Given on a CPU engine, prefills
     are padded to them too (what the captured path does, eagerly: for tests)."""
-    prefill_stall_ratio: float = 1.0
+    prefill_stall_ratio: float = 0.8
     """While requests decode, a step's prefill chunk lasts at most this share of the decode step beside it
     (by the prefill and decode step times measured at start-up, the chunk's context included), so a decode
     step with a chunk takes at most (1 + ratio) x one without; a prompt then prefills over more steps. The
-    decode step is the device's, or the driving loop's live cycle where that is longer (a host-bound server:
-    `Engine.stall_reference_ms`). Needs captured prefill; 0 = no such bound (`chunked_prefill_tokens` alone).
-    With nothing decoding the whole `chunked_prefill_tokens` budget is used."""
+    default leaves room under 2x for what live steps spread beyond the start-up timings (at 1.0 the longest
+    step read 1.98-2.17x at Qwen3-8B shape); beside decoding, a long prompt's prefill then spans ~(1 + r) / r x
+    its own prefill time (2.25x at 0.8, 2x at 1.0). The decode step is the device's, or the driving loop's live
+    cycle where that is longer (a host-bound server: `Engine.stall_reference_ms`). Needs captured prefill; 0 = no
+    such bound (`chunked_prefill_tokens` alone). With nothing decoding the whole `chunked_prefill_tokens` budget
+    is used."""
     admission_group: int = 0
     """While requests decode, admit waiting requests in groups of up to this many: with at least this many
     waiting and fewer slots free, admission waits (at most 4 steps) until the group fits, so one prefill serves

@@ -82,9 +82,9 @@ class ServeConfig:
     prefill_graphs: bool = True
     """With step graphs: prefill through captured token-bucket graphs too (forward, drafter context and first token
     in one replay; eager above the largest bucket); false: eager prefill."""
-    prefill_stall_ratio: float = 1.0
+    prefill_stall_ratio: float = 0.8
     """While requests decode, a prefill chunk lasts at most this share of the decode step beside it (start-up
-    measurements), so decoding slows at most (1 + ratio)x during a long prompt's prefill, which then takes more
+    measurements), so decoding slows about (1 + ratio)x during a long prompt's prefill, which then takes more
     steps; 0: only --chunked-prefill-tokens bounds a chunk."""
     admission_group: int = 0
     """While requests decode and at least this many wait, admit them in groups of this many (held at most 4
