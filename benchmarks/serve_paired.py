@@ -112,16 +112,17 @@ def one_pass(config: BenchConfig, url: str, model: str, c: int, measured: list[d
 
 def paired(servers: dict[str, str], points: dict[str, dict], levels: list[int], rounds: int, pass_s: float,
            num_requests: int, warmup: int, max_tokens: int, pids: dict[str, int] | None = None,
-           core_sets: list[set[int]] | None = None, client_processes: int = 1) -> list[dict]:
+           core_sets: list[set[int]] | None = None, client_processes: int = 1, on_row=None) -> list[dict]:
     """With `pids` and `core_sets`, round r pins server i to core set (i + r) mod len(core_sets) first. The passes'
-    closed loops run in `client_processes` processes (dscale-bench --client-processes)."""
+    closed loops run in `client_processes` processes (dscale-bench --client-processes). `on_row(rows)` runs after
+    each point and concurrency (the rows so far), so a sweep stopped early keeps what it measured."""
     with Clients(client_processes) as clients:
         return _paired(servers, points, levels, rounds, pass_s, num_requests, warmup, max_tokens, pids, core_sets,
-                       clients)
+                       clients, on_row)
 
 
 def _paired(servers, points, levels, rounds, pass_s, num_requests, warmup, max_tokens, pids, core_sets,
-            clients: Clients) -> list[dict]:
+            clients: Clients, on_row=None) -> list[dict]:
     names = list(servers)
     if core_sets and (not pids or set(pids) != set(names) or len(core_sets) < len(names)):
         raise ValueError(f"core rotation needs a pid for every server ({', '.join(names)}) and at least "
@@ -164,6 +165,8 @@ def _paired(servers, points, levels, rounds, pass_s, num_requests, warmup, max_t
                                  vs_target_range=[min(vs_target), max(vs_target)])
                 row["servers"][name] = entry
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
             print(f"[paired] {point} c={c}: " + "; ".join(
                 f"{n} {e['tok_s']:.0f} tok/s, x best {e['vs_best']:.3f} [{e['vs_best_range'][0]:.3f}-"
                 f"{e['vs_best_range'][1]:.3f}]" + (f", x target {e['vs_target']:.3f}" if "vs_target" in e else "")
@@ -212,12 +215,15 @@ def main(argv=None) -> list[dict]:
     core_sets = [cpu_list(c) for c in args.core_sets.split(";") if c.strip()] if args.core_sets else None
     if (pids is None) != (core_sets is None):
         parser.error("--pids and --core-sets go together")
+    def save(rows: list[dict]) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))
+
     rows = paired(servers, parse_points(args.points), [int(c) for c in args.concurrency.split(",")], args.rounds,
                   args.pass_s, args.num_requests, args.warmup, args.max_tokens, pids, core_sets,
-                  args.client_processes)
+                  args.client_processes, on_row=save)
     print(table(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))
+    save(rows)
     return rows
 
 

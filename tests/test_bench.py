@@ -504,7 +504,10 @@ def test_serve_paired_takes_each_ratio_within_its_round(monkeypatch, capsys):
     monkeypatch.setattr(paired, "one_pass", one_pass)
     monkeypatch.setattr(paired, "server_identity", lambda url: ("m", url))
     monkeypatch.setattr(paired, "closed_loop", lambda *a, **k: asyncio.sleep(0))
-    rows = paired.paired({n: n for n in speed}, {"greedy": {"temperature": 0.0}}, [1, 8], 3, 1.0, 4, 1, 8)
+    saved = []  # what a sweep stopped early has kept: the rows so far, after each point
+    rows = paired.paired({n: n for n in speed}, {"greedy": {"temperature": 0.0}}, [1, 8], 3, 1.0, 4, 1, 8,
+                         on_row=lambda rows: saved.append([r["concurrency"] for r in rows]))
+    assert saved == [[1], [1, 8]]
     assert order[:9] == ["target", "fast", "slow", "fast", "slow", "target", "slow", "target", "fast"]
     assert [r["concurrency"] for r in rows] == [1, 8]
     for row in rows:
