@@ -41,6 +41,15 @@ from dscale_runtime.engine import Engine  # noqa: E402
 from dscale_runtime.kernels import KernelChoice  # noqa: E402
 
 
+T0 = time.perf_counter()
+
+
+def progress(text: str) -> None:
+    """One line per phase, seconds since the start, flushed: a run cut off by a call's time limit still says
+    how far it came."""
+    print(f"[capacity {time.perf_counter() - T0:7.1f} s] {text}", flush=True)
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -108,13 +117,18 @@ def part_gap(models, args, gen) -> list[dict]:
 
 def gap_run(models, args, gen, vocab: int, chunk: int, ratio: float | None) -> dict:
     extra = {} if ratio is None else {"prefill_stall_ratio": ratio}
+    if args.kv_cache_tokens:
+        extra["kv_cache_tokens"] = args.kv_cache_tokens
+    progress(f"gap: chunk {chunk}, stall ratio {ratio if ratio is not None else 'default'}: starting the engine")
     engine = engine_for(models, args, max_model_len=args.long_prompt + 1024, max_running_requests=32,
                         chunked_prefill_tokens=chunk, prefix_caching=False, **extra)
+    progress("gap: engine up (steps and prefill buckets captured and timed)")
     startup = {"decode_ms": {b: round(v, 3) for b, v in engine.decode_ms.items()},
                "prefill_ms_from_0_and_after_keys": {b: [round(a, 3), round(c, 3), k]
                                                     for b, (a, c, k) in engine.prefiller.bucket_ms.items()}}
     if engine.prefiller.bucket_ms and args.device == "cuda":
         startup["scratch_then_distinct_pages_ms"] = page_layout_times(engine, args.long_prompt)
+        progress("gap: prefill buckets timed on scratch and distinct pages")
     decode = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
     for _ in range(31):
         engine.add_request(random_prompt(gen, vocab, 512), decode)
@@ -130,6 +144,7 @@ def gap_run(models, args, gen, vocab: int, chunk: int, ratio: float | None) -> d
         sync()
         steps.append(time.perf_counter() - t0)
     median = statistics.median(steps)
+    progress(f"gap: 31 requests decoding, median step {median * 1e3:.2f} ms; the long prompt arrives")
     long_id = engine.add_request(random_prompt(gen, vocab, args.long_prompt),
                                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     pre, cfg = engine.prefiller, engine.config
@@ -168,7 +183,9 @@ def gap_run(models, args, gen, vocab: int, chunk: int, ratio: float | None) -> d
 
 def part_ttft(models, args, gen) -> dict:
     vocab = models[0].config.vocab_size
-    engine = engine_for(models, args, max_model_len=args.repeat_prompt + 256, max_running_requests=8)
+    extra = {"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}
+    progress("ttft: starting the engine")
+    engine = engine_for(models, args, max_model_len=args.repeat_prompt + 256, max_running_requests=8, **extra)
     prompt = random_prompt(gen, vocab, args.repeat_prompt)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     engine.generate([random_prompt(gen, vocab, args.repeat_prompt)], params)  # warm-up: prefill shapes compiled
@@ -200,6 +217,10 @@ def main() -> None:
     parser.add_argument("--stall-ratios", type=float, nargs="+", default=[None],
                         help="EngineConfig.prefill_stall_ratio values of the gap part (default: the engine's)")
     parser.add_argument("--repeat-prompt", type=int, default=2048)
+    parser.add_argument("--kv-cache-tokens", type=int, default=0,
+                        help="the gap and ttft engines' pool in tokens (EngineConfig.kv_cache_tokens); 0: the engine's "
+                             "own sizing (max_running_requests x max_model_len: the gap part's needs more than an "
+                             "80 GB card holds beside the 8B weights; there pass e.g. 131072)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=None)
@@ -212,15 +233,17 @@ def main() -> None:
               "date": datetime.date.today().isoformat(),
               "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device}
     with torch.no_grad():
+        progress(f"building the {args.shape} models")
         models = build_models(SHAPES[args.shape], args.device, dtype, kernels)
+        progress("models built")
         for part in args.parts:
             result[part] = {"pool": part_pool, "gap": part_gap, "ttft": part_ttft}[part](models, args, gen)
             print(part, json.dumps(result[part]), flush=True)
+            if args.out:  # after every part: a run cut off later keeps the parts it finished
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
