@@ -220,7 +220,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=0,
                         help="the gap and ttft engines' pool in tokens (EngineConfig.kv_cache_tokens); 0: the engine's "
                              "own sizing (max_running_requests x max_model_len: the gap part's needs more than an "
-                             "80 GB card holds beside the 8B weights; there pass e.g. 131072)")
+                             "80 GB card holds beside the 8B weights; there pass e.g. 98304)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", type=Path, default=None)
