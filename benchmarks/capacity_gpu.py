@@ -98,11 +98,11 @@ def page_layout_times(engine: Engine, ctx: int) -> dict[int, list[float]]:
     distinct from 0, distinct after ctx, the start-up's pair]; the start-up's timings are kept. Run on a fresh
     engine only: it writes junk into the pool's pages."""
     pre = engine.prefiller
-    startup = dict(pre.bucket_ms)
+    startup, startup_many = dict(pre.bucket_ms), dict(pre.many_ms)
     pre.measure(long_context=ctx)
     scratch = dict(pre.bucket_ms)
     pre.measure(long_context=ctx, free_pages=engine.allocator.num_pages - 1)
-    distinct, pre.bucket_ms = pre.bucket_ms, startup
+    distinct, pre.bucket_ms, pre.many_ms = pre.bucket_ms, startup, startup_many
     return {b: [round(t, 3) for t in (*scratch[b][:2], *distinct[b][:2], *startup[b][:2])] for b in startup}
 
 
@@ -125,7 +125,9 @@ def gap_run(models, args, gen, vocab: int, chunk: int, ratio: float | None) -> d
     progress("gap: engine up (steps and prefill buckets captured and timed)")
     startup = {"decode_ms": {b: round(v, 3) for b, v in engine.decode_ms.items()},
                "prefill_ms_from_0_and_after_keys": {b: [round(a, 3), round(c, 3), k]
-                                                    for b, (a, c, k) in engine.prefiller.bucket_ms.items()}}
+                                                    for b, (a, c, k) in engine.prefiller.bucket_ms.items()},
+               "full_bucket_prefill_ms_from_0_and_after_keys": {b: [round(a, 3), round(c, 3), k] for b, (a, c, k)
+                                                                in engine.prefiller.many_ms.items()}}
     if engine.prefiller.bucket_ms and args.device == "cuda":
         startup["scratch_then_distinct_pages_ms"] = page_layout_times(engine, args.long_prompt)
         progress("gap: prefill buckets timed on scratch and distinct pages")

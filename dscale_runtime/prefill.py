@@ -3,11 +3,16 @@ drafter's context injection and the first generated token of every prompt that c
 function, captured once per (token bucket, draw kind) on CUDA and replayed; eager elsewhere.
 
 A bucket of T tokens has R = min(T, max_requests) request slots plus one pseudo request that owns the padding
-rows: every padding row sits at position 0 of the scratch page (it writes K/V there and attends to that one
+rows. Every padding row sits at position 0 of the scratch page (it writes K/V there and attends to that one
 key), unused request slots have no rows and no keys, and rows of a request slot whose prompt does not complete
 in this chunk (or padding slots) write their first-token draw to the device state's dummy row. The host fills
 every index (rows, positions, cache slots, query bounds, block tables) with numpy and stages them in one copy
 per dtype (pinned, alternating on CUDA, as the decode buffers do), so a replay needs no host read.
+
+With more than one request slot a bucket also has a one-request variant (R = 1), which a chunk of one request
+replays (a long prompt beside decoding): the attention launches a program per request slot, head group, query
+tile and key split whether a slot is used or not, and the full buckets' start-up times follow that count rather
+than their tokens (docs/benchmarks.md, 2026-12-05).
 
 Token counts above the largest bucket run the same function eagerly on buffers of their own size (rounded up to
 16 rows, the Triton kernels' specialisation of the captured sizes). Without padding (`pad=False`, the CPU
@@ -236,11 +241,17 @@ class PrefillRunner:
         self.use_graphs = use_graphs
         self.device = torch.device(device)
         self.pool = pool
-        self.buffers: dict[int, PrefillBuffers] = {}
-        self.steps: dict[tuple[int, bool, bool], PrefillStep] = {}
+        self.solo = self.pad and max_requests > 1
+        """Whether every bucket has a one-request variant (one request slot) beside its full one."""
+        self.buffers: dict[tuple[int, int], PrefillBuffers] = {}  # (tokens, request slots) -> buffers
+        self.steps: dict[tuple[int, bool, bool, bool], PrefillStep] = {}  # (tokens, solo, sampled, filtered)
         self.bucket_ms: dict[int, tuple[float, float, int]] = {}
-        """Each captured bucket's greedy prefill, measured (`measure`): (ms from position 0, ms after a context of
-        `c` keys, c); a chunk after `ctx` keys is interpolated between the two (attention grows with the keys)."""
+        """Each captured bucket's greedy prefill of one request's chunk, measured (`measure`; on the one-request
+        variant where there is one): (ms from position 0, ms after a context of `c` keys, c); a chunk after `ctx`
+        keys is interpolated between the two (attention grows with the keys)."""
+        self.many_ms: dict[int, tuple[float, float, int]] = {}
+        """The same chunk on the full bucket (all its request slots): what a prefill of several requests costs at
+        least. Equal to `bucket_ms` without one-request variants."""
         self.eager_calls = 0
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0
@@ -261,17 +272,24 @@ class PrefillRunner:
             return None
         return next((b for b in self.buckets if b >= tokens), None)
 
-    def _requests_of(self, tokens: int) -> int:
-        return min(tokens, self.max_requests)
+    def _requests_of(self, tokens: int, solo: bool = False) -> int:
+        return 1 if solo else min(tokens, self.max_requests)
 
-    def get(self, tokens: int, sampled: bool, filtered: bool) -> PrefillStep:
-        key = (tokens, sampled, filtered)
+    def variants(self) -> tuple[bool, ...]:
+        """The `solo` values each bucket has: the full bucket, and the one-request variant where there is one."""
+        return (False, True) if self.solo else (False,)
+
+    def get(self, tokens: int, sampled: bool, filtered: bool, solo: bool = False) -> PrefillStep:
+        """The step of a bucket and draw kind (its one-request variant with `solo`); built on first use."""
+        solo = solo and self.solo
+        key = (tokens, solo, sampled, filtered)
         if key not in self.steps:
-            if tokens not in self.buffers:
-                self.buffers[tokens] = PrefillBuffers(tokens, self._requests_of(tokens), self.max_pages,
-                                                      self.page_size, self.device, self.tail_width)
-            self.steps[key] = PrefillStep(self, self.buffers[tokens], sampled, filtered).build(self.use_graphs,
-                                                                                               self.pool)
+            slots = self._requests_of(tokens, solo)
+            if (tokens, slots) not in self.buffers:
+                self.buffers[tokens, slots] = PrefillBuffers(tokens, slots, self.max_pages, self.page_size,
+                                                             self.device, self.tail_width)
+            self.steps[key] = PrefillStep(self, self.buffers[tokens, slots], sampled, filtered).build(
+                self.use_graphs, self.pool)
         return self.steps[key]
 
     def prepare(self, free_pages: int = 0) -> None:
@@ -281,8 +299,9 @@ class PrefillRunner:
         if self.use_graphs:
             collect_garbage(self.device)
         for tokens in reversed(self.buckets):
-            for sampled, filtered in KINDS:
-                self.get(tokens, sampled, filtered)
+            for solo in self.variants():
+                for sampled, filtered in KINDS:
+                    self.get(tokens, sampled, filtered, solo)
         if self.use_graphs:
             self.measure(free_pages=free_pages)
 
@@ -291,43 +310,56 @@ class PrefillRunner:
         0, then after `long_context` keys (default: as many as the block table holds beside the bucket, at most
         16,384), so a chunk's time is known at any context (`ms_at`). The keys lie on distinct pages, pool pages
         1..`free_pages` in turn (free ones: the step writes them), as a live request's do; with none given, all on
-        the scratch page, where a long context's keys stay in the L2 cache and read faster than live ones."""
+        the scratch page, where a long context's keys stay in the L2 cache and read faster than live ones.
+        Each variant of a bucket is timed (`bucket_ms`: the one-request variant where there is one; `many_ms`:
+        the full bucket)."""
         span = self.max_pages * self.page_size
         for tokens in self.buckets:
-            step = self.get(tokens, False, False)
             per = min(tokens, span)  # NOTE: a bucket wider than one request's table is measured over several
             sizes = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
-            times = []
-            for ctx in (0, min(long_context or 16384, span - per)):
-                pages = itertools.count()
-                chunks = [PrefillChunk([0] * k, ctx, [1 + next(pages) % free_pages if free_pages else SCRATCH_PAGE
-                                                      for _ in range(-(-(ctx + k) // self.page_size))])
-                          for k in sizes]
-                step.buf.fill(chunks[: self._requests_of(tokens)], self.state.dummy)
-                step()
-                times.append(float(np.median(cuda_times(step, reps))))
-            self.bucket_ms[tokens] = (times[0], times[1], max(1, min(long_context or 16384, span - per)))
+            keys = max(1, min(long_context or 16384, span - per))
+            for solo in self.variants():
+                step = self.get(tokens, False, False, solo)
+                times = []
+                for ctx in (0, min(long_context or 16384, span - per)):
+                    pages = itertools.count()
+                    chunks = [PrefillChunk([0] * k, ctx, [1 + next(pages) % free_pages if free_pages else
+                                                          SCRATCH_PAGE for _ in range(-(-(ctx + k) // self.page_size))])
+                              for k in sizes]
+                    step.buf.fill(chunks[: self._requests_of(tokens, solo)], self.state.dummy)
+                    step()
+                    times.append(float(np.median(cuda_times(step, reps))))
+                if solo or not self.solo:
+                    self.bucket_ms[tokens] = (times[0], times[1], keys)
+                if not solo:
+                    self.many_ms[tokens] = (times[0], times[1], keys)
 
-    def ms_at(self, tokens: int, ctx: int) -> float:
-        """Measured time of a bucket's prefill after `ctx` keys (linear in the keys between the two measures)."""
-        short, long, c = self.bucket_ms[tokens]
+    def ms_at(self, tokens: int, ctx: int, many: bool = False) -> float:
+        """Measured time of a bucket's prefill after `ctx` keys (linear in the keys between the two measures); with
+        `many`, of the full bucket (`many_ms`, where measured)."""
+        short, long, c = self._table(many)[tokens]
         return short + max(0.0, long - short) * ctx / c
 
-    def floor_ms(self, ctx: int) -> float:
-        """The least a chunk after `ctx` keys may last beside decoding: FLOOR_FACTOR x the cheapest bucket's time."""
-        return FLOOR_FACTOR * min(self.ms_at(b, ctx) for b in self.bucket_ms)
+    def _table(self, many: bool) -> dict[int, tuple[float, float, int]]:
+        return self.many_ms if many and self.many_ms else self.bucket_ms
 
-    def budget(self, limit_ms: float, cap: int, ctx: int = 0) -> int:
+    def floor_ms(self, ctx: int, many: bool = False) -> float:
+        """The least a chunk after `ctx` keys may last beside decoding: FLOOR_FACTOR x the cheapest bucket's time."""
+        return FLOOR_FACTOR * min(self.ms_at(b, ctx, many) for b in self._table(many))
+
+    def budget(self, limit_ms: float, cap: int, ctx: int = 0, many: bool = False) -> int:
         """The most tokens one prefill after `ctx` keys may take to last at most `limit_ms` (by `bucket_ms`):
         the largest bucket within it, at most `cap`. Where even the smallest bucket takes longer (a large model's
         prefill reads every weight whatever its tokens: at Qwen3-8B shape a 16-token chunk costs about a
         target-only decode step), the limit becomes FLOOR_FACTOR x the cheapest bucket's time: every chunk pays
-        that floor, so it takes as many tokens as cost about the same."""
-        if not self.bucket_ms:
+        that floor, so it takes as many tokens as cost about the same. `many`: several requests may share the
+        prefill, so the full buckets' times bound it (one request's chunk runs the one-request variant)."""
+        table = self._table(many)
+        if not table:
             return cap
-        limit = max(limit_ms, self.floor_ms(ctx))
-        fits = [b for b in self.bucket_ms if self.ms_at(b, ctx) <= limit]
-        return max(1, min(max(fits, default=min(self.bucket_ms)), cap))
+        limit = max(limit_ms, self.floor_ms(ctx, many))
+        fits = [b for b in table if self.ms_at(b, ctx, many) <= limit]
+        return max(1, min(max(fits, default=min(table)), cap))
 
     def run(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """Prefill the chunks (at most `max_requests`); returns the first-token draws [n] on the device (rows of
@@ -339,8 +371,9 @@ class PrefillRunner:
         filtered = sampled and any(c.sampling[3] != RULE_GREEDY and (c.sampling[2] > 0 or c.sampling[5] < 1)
                                    for c in draws)
         size = self.bucket(total)
-        if size is not None and n <= self._requests_of(size):
-            step = self.get(size, sampled, filtered)
+        solo = n == 1 and self.solo
+        if size is not None and n <= self._requests_of(size, solo):
+            step = self.get(size, sampled, filtered, solo)
         else:  # NOTE: above the largest bucket, or unpadded: the same step, eager, on buffers of this size
             self.eager_calls += 1
             rows = -(-total // ROW_ALIGN) * ROW_ALIGN if self.pad else total

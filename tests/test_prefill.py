@@ -72,9 +72,20 @@ def test_padded_bucket_prefill_decodes_target_only_tokens(pair, plain, mode, chu
     prompts, params, want = plain
     engine = make_engine(pair, mode, max_running_requests=4, prefill_buckets=(16, 48), chunked_prefill_tokens=chunk,
                          sampling_rule="top1")
+    ran = []
+    real = engine.prefiller.get
+
+    def spy(tokens, sampled, filtered, solo=False):
+        step = real(tokens, sampled, filtered, solo)
+        ran.append((solo, step.buf.requests))
+        return step
+
+    engine.prefiller.get = spy
     assert_same(engine.generate(prompts, params), want)
     assert engine.prefiller.pad and engine.prefiller.buckets == [16, 48]
     assert (engine.prefiller.eager_calls > 0) == (chunk == 0)  # whole 70+ token prompts run above the buckets
+    # One request's chunk runs the bucket's one-request variant (one slot), several requests the full bucket
+    assert {solo for solo, _ in ran} == {True, False} and all(slots == (1 if solo else 4) for solo, slots in ran)
     assert engine.prefix_cache_stats["hit_tokens"] > 0
 
 
@@ -88,6 +99,11 @@ def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  
     engine.prefiller.bucket_ms = {16: (0.2, 0.3, 100), 32: (0.5, 0.9, 100), 64: (1.5, 2.0, 100)}
     engine.decode_ms = {b: 0.6 for b in engine.runner.buckets}
     assert engine.prefiller.budget(0.6, 64, ctx=0) == 32 and engine.prefiller.budget(0.6, 64, ctx=50) == 16
+    # Several requests waiting: the full buckets' times bound the chunk (unmeasured: one request's times)
+    engine.prefiller.many_ms = {16: (0.35, 0.4, 100), 32: (0.7, 1.0, 100), 64: (1.9, 2.4, 100)}
+    assert engine.prefiller.budget(0.6, 64, ctx=0, many=True) == 16 and engine.prefiller.budget(0.6, 64, ctx=0) == 32
+    engine.prefiller.many_ms = {}
+    assert engine.prefiller.budget(0.6, 64, ctx=0, many=True) == 32
     # Below the cheapest chunk's time the bound is 1.5 x that time (weight-bound prefill: tokens come cheap)
     assert engine.prefiller.budget(0.1, 64, ctx=100) == 16
     weight_bound = {16: (4.0, 4.1, 100), 32: (4.2, 4.3, 100), 64: (5.5, 5.6, 100)}
@@ -255,7 +271,9 @@ def test_bucket_timings_use_distinct_free_pages_and_leave_decoding_exact(pair, p
     monkeypatch.setattr(prefill_module, "cuda_times", lambda fn, reps: [fn(), 1.0][1:])
     before = engine.target_cache.k.clone()
     engine.prefiller.measure(long_context=60, free_pages=free)
-    assert set(engine.prefiller.bucket_ms) == {16, 48}
+    assert set(engine.prefiller.bucket_ms) == set(engine.prefiller.many_ms) == {16, 48}
+    # Both variants of every bucket timed: one request's chunk, on its one slot and on the full bucket's slots
+    assert {(s[0], s[1]) for s in engine.prefiller.steps} == {(16, False), (16, True), (48, False), (48, True)}
     assert tables and all(len(pages) == -(-(start + n) // engine.config.page_size) for start, n, pages in tables)
     assert all(len(set(pages)) == len(pages) and min(pages) >= 1 and max(pages) <= free for _, _, pages in tables)
     assert any(start == 60 for start, _, _ in tables)

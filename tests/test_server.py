@@ -12,6 +12,7 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -343,6 +344,32 @@ def test_models_health_and_metrics(demo_server):
     assert report["weight"][0] > 0 and 0 < watched["dscale_predictor_predicted_acceptance", "1"] <= 1
     runs = {s.labels["bucket"]: s.labels["step"] for s in families["dscale_step_policy"].samples}
     assert runs == {"1": "dscale", "2": "dscale", "4": "dscale", "8": "dscale"}
+
+
+def test_serve_live_choice_reads_the_live_choice_off_metrics(demo_server):
+    """benchmarks/serve_live_choice.py's scrape: every sample of the families behind the live step choice on a
+    server's /metrics (as the Prometheus parser reads them), keyed by its labels less the model's; nothing else."""
+    import importlib.util
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    path = Path(__file__).parents[1] / "benchmarks" / "serve_live_choice.py"
+    spec = importlib.util.spec_from_file_location("serve_live_choice", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    client(demo_server).completions.create(model="target", prompt="def add(a, b):", max_tokens=16, temperature=0)
+    text = httpx.get(demo_server.url + "/metrics").text
+    expected = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith(module.WATCHED) and not s.name.startswith("dscale_step_policy_ms"):
+                labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items() if k != "model_name")
+                expected[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    got = module.parse_metrics(text)
+    assert got == expected
+    assert {k for k in got if k.startswith("dscale_step_policy{")} == {
+        f'dscale_step_policy{{bucket="{b}",step="dscale"}}' for b in (1, 2, 4, 8)}
+    assert any(k.startswith("dscale_decode_steps_by_step") for k in got)
 
 
 def test_detokenizer_never_splits_a_character_and_holds_back_stop_prefixes(demo_reference):
