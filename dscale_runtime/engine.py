@@ -47,14 +47,15 @@ log = logging.getLogger("dscale.engine")
 
 FALLBACK_PROBE = 16
 """With a live choice of steps, every this-many-th step runs a speculative step other than the best
-(`Engine._mode_for`): a fallen-back bucket still speculates, DScale and DFlash both stay measured."""
+(`Engine._mode_for`): DScale and DFlash both stay measured; a fallen-back bucket still speculates, PROBE_RUN steps
+in a row every PROBE_RUN x this many (the same share)."""
 ACCEPTANCE_WEIGHT = 0.05
 """Weight of each step in the running mean of live acceptance (about the last 20 steps)."""
 TARGET_PROBE = 8 * FALLBACK_PROBE
 """While speculation pays, every this-many-th step may run a target-only step, to keep its live time current."""
 PROBE_RUN = 3
-"""A target-only probe runs this many steps in a row: with the overlap schedule a cycle commits the step before
-the one it launches, so only a probe's later cycles show its own host work (`host_ms`)."""
+"""A probe into or out of target-only steps runs this many steps in a row: with the overlap schedule a cycle commits
+the step before the one it launches, so only a probe's later cycles show its own host work (`host_ms`)."""
 STEP_TIME_WEIGHT = 0.1
 """Weight of each step in the running mean of a bucket's live step time per mode (about the last 10 of them)."""
 CYCLE_WEIGHT = 0.1
@@ -474,14 +475,18 @@ class Engine:
     def _time_cycle(self) -> None:
         """At each `step` call: the wall time since the previous call, when that one decoded, work remained and
         neither it nor the two before prefilled, into `cycle_ms` (the first two cycles of a run count as
-        prefilled: they follow its first admission)."""
+        prefilled: they follow its first admission); from the same cycles, less their waits for the device, the
+        host's work per cycle of the (bucket, mode) launched (`host_ms`)."""
         now, last = time.perf_counter(), self._cycle
         if last is not None and not last[1]:
             sample = (now - last[0]) * 1e3
             self.cycle_ms = sample if self.cycle_ms is None else self.cycle_ms + CYCLE_WEIGHT * (sample - self.cycle_ms)
         # NOTE: host work is a mode's own only in a cycle that committed nothing but that mode's steps (a probe's
-        # first cycle commits the step of the mode before it)
-        if last is not None and last[3] is not None and self.time_host and last[4] <= {last[3][1]}:
+        # first cycle commits the step of the mode before it), and only away from prefills: a prefill's host work,
+        # and a server's handling of a new request and its first token, are no decode step's (at concurrency 1 the
+        # first decode cycle of every request held them, and a mode's estimate could start from one such sample)
+        if (last is not None and not last[1] and last[3] is not None and self.time_host
+                and last[4] <= {last[3][1]}):
             host, old = max(0.0, (now - last[0]) * 1e3 - last[2]), self.host_ms.get(last[3])
             self.host_ms[last[3]] = host if old is None else old + CYCLE_WEIGHT * (host - old)  # key (bucket, mode)
         self._cycle = [now, (last[1] << 1) & 0b110 if last is not None else 0b110, 0.0, None, set()]
@@ -659,8 +664,10 @@ class Engine:
         (1 + live accepted drafts per request-step) / step cost, 1 / step cost for target-only, the costs being
         the steps' live device times where they have run (`step_costs`). Every
         `FALLBACK_PROBE`-th step runs the speculative step other than the best that ran least recently (one
-        never run, as soon as the first has an estimate), so every estimate follows the traffic; with live
-        times a target-only step is probed too, once per bucket and then every `TARGET_PROBE`-th step, for
+        never run, as soon as the first has an estimate), so every estimate follows the traffic; where the best
+        is target-only, every `PROBE_RUN` x `FALLBACK_PROBE`-th step, for `PROBE_RUN` steps in a row (the same
+        share of steps), so that the later cycles of the run show the speculative step's own host work. With
+        live times a target-only step is probed too, once per bucket and then every `TARGET_PROBE`-th step, for
         `PROBE_RUN` steps in a row."""
         mode = self.runner.mode_for(n)
         modes = self.runner.live_modes(n) if not self.step_observers else [mode]
@@ -693,9 +700,11 @@ class Engine:
             elif self._live_steps % FALLBACK_PROBE == 0:
                 if target_probe and self._live_steps % TARGET_PROBE == 0:
                     others.append("target")
-                if others:
+                if others and (chosen != "target" or self._live_steps % (PROBE_RUN * FALLBACK_PROBE) == 0):
                     best = min(others, key=lambda m: self._last_run.get(m, -1))
-            if best == "target" != chosen and PROBE_RUN > 1:
+            # NOTE: a probe that leaves or enters target-only steps runs PROBE_RUN steps: a cycle commits the step
+            # before the one it launches, so only the run's later cycles are the probed step's own (`host_ms`)
+            if best != chosen and "target" in (best, chosen) and PROBE_RUN > 1:
                 self._probe_run = (best, PROBE_RUN - 1)
             self._last_run[best] = self._live_steps
         return best

@@ -256,6 +256,12 @@ def test_host_work_counts_only_in_cycles_that_committed_their_own_mode(pair):  #
         engine._cycle = [time.perf_counter() - 0.004, 0, 0.0, (bucket, "target"), committed]
         engine._time_cycle()
         assert ((bucket, "target") in engine.host_ms) == sampled, committed
+    # a cycle that prefilled, or one of the two after (a run's first two count so), holds no decode step's host work
+    for bits in (0b001, 0b010, 0b100, 0b110):
+        engine.host_ms.clear()
+        engine._cycle = [time.perf_counter() - 0.004, bits, 0.0, (bucket, "target"), {"target"}]
+        engine._time_cycle()
+        assert (bucket, "target") not in engine.host_ms, bits
     # the probe: DFlash is the best step (its live time is known, target's is not): target runs PROBE_RUN in a row
     engine._cycle = None
     engine.live_acceptance["dflash"] = 2.0
@@ -264,6 +270,38 @@ def test_host_work_counts_only_in_cycles_that_committed_their_own_mode(pair):  #
     engine.live_step_ms[bucket, "target"] = 1.0  # its first commit: its live time is known, the run goes on
     assert [engine._mode_for(1) for _ in range(PROBE_RUN - 1)] == ["target"] * (PROBE_RUN - 1)
     assert [engine._mode_for(1) for _ in range(3)] == ["dflash"] * 3
+
+
+def test_a_fallen_back_bucket_speculates_in_runs_that_show_their_host_work(pair):  # noqa: F811
+    """Where target-only steps are best, the speculative step is probed PROBE_RUN steps in a row every
+    PROBE_RUN x FALLBACK_PROBE steps (the share of one step in FALLBACK_PROBE), so that the run's later cycles,
+    which commit only its own steps, update its host work: a single probed step never would, and an estimate of
+    its host work that started high would keep the bucket on target-only steps."""
+    import time
+
+    from dscale_runtime.engine import FALLBACK_PROBE, PROBE_RUN
+
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    engine.time_host = engine.time_live_steps = True
+    bucket = engine.runner.bucket(1)
+    engine.live_acceptance["dflash"] = 0.5
+    engine.live_step_ms[bucket, "dflash"], engine.live_step_ms[bucket, "target"] = 1.0, 0.25
+    engine.host_ms[bucket, "dflash"] = 4.0  # e.g. a first sample that held a request's arrival
+    engine.host_ms[bucket, "target"] = 0.3  # target-only: 1 / 0.3 tokens per ms against DFlash's 1.5 / 4
+    period = PROBE_RUN * FALLBACK_PROBE
+    engine._live_steps = 0
+    runs = [engine._mode_for(1) for _ in range(2 * period + PROBE_RUN - 1)]
+    assert runs.count("dflash") == 2 * PROBE_RUN and runs.count("target") == 2 * period - PROBE_RUN - 1
+    first = runs.index("dflash")
+    assert first == period - 1 and runs[first : first + PROBE_RUN] == ["dflash"] * PROBE_RUN
+    # A later cycle of the run commits only a DFlash step: it is sampled, and the estimate comes down
+    engine._cycle = [time.perf_counter() - 0.0002, 0, 0.0, (bucket, "dflash"), {"dflash"}]
+    engine._time_cycle()
+    assert engine.host_ms[bucket, "dflash"] < 4.0
+    # Once its host work reads right, drafts that pay win the bucket back: (1 + 3) / 1.0 against 1 / 0.3 per ms
+    engine.live_acceptance["dflash"] = 3.0
+    engine.host_ms[bucket, "dflash"] = 0.2
+    assert engine._mode_for(1, probe=False) == "dflash"
 
 
 def test_target_fallback_keeps_speculating_when_drafts_are_accepted(pair):  # noqa: F811
