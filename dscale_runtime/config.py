@@ -70,7 +70,7 @@ class EngineConfig:
     run a bucket's steps target-only while the live acceptance says speculation yields fewer tokens per second
     (step costs: live device times and host work per cycle, start-up times before those; x (1 + accepted
     drafts per request-step, a running mean over recent steps)); a fallen-back bucket still speculates, 3 steps
-    in a row every 48 (the share of one in 16), keeping the estimates current. Off: served on an H100
+    in a row every 128, keeping the estimates current. Off: served on an H100
     (2026-12-05) it settled on target-only steps for greedy traffic at concurrency 1 (docs/benchmarks.md)."""
     live_calibration: bool = False
     """DScale only: refresh a calibration of the acceptance predictor's scores from the served steps and apply

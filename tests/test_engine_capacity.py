@@ -151,7 +151,8 @@ def fallback_engine(engine, target_ms: float, spec_ms: float):
 @pytest.mark.parametrize("mode", ["dflash", "dscale"])
 def test_target_fallback_switches_by_live_acceptance_and_changes_no_token(pair, plain_reference, mode):  # noqa: F811
     """A random drafter is almost never accepted: with a speculative step costing 1.5 target steps, the engine
-    falls back to target-only steps (speculating every 16th to keep measuring); output equals target-only."""
+    falls back to target-only steps (speculating 3 steps in a row every 128th to keep measuring); output equals
+    target-only."""
     from test_engine_dscale import predictors  # noqa: F401
     from test_engine_dscale import dscale_engine, make_predictor  # noqa: F401
 
@@ -274,12 +275,12 @@ def test_host_work_counts_only_in_cycles_that_committed_their_own_mode(pair):  #
 
 def test_a_fallen_back_bucket_speculates_in_runs_that_show_their_host_work(pair):  # noqa: F811
     """Where target-only steps are best, the speculative step is probed PROBE_RUN steps in a row every
-    PROBE_RUN x FALLBACK_PROBE steps (the share of one step in FALLBACK_PROBE), so that the run's later cycles,
-    which commit only its own steps, update its host work: a single probed step never would, and an estimate of
-    its host work that started high would keep the bucket on target-only steps."""
+    TARGET_PROBE steps (not one step in FALLBACK_PROBE: cheaper where speculation loses), so that the run's later
+    cycles, which commit only its own steps, update its host work: a single probed step never would, and an
+    estimate of its host work that started high would keep the bucket on target-only steps."""
     import time
 
-    from dscale_runtime.engine import FALLBACK_PROBE, PROBE_RUN
+    from dscale_runtime.engine import PROBE_RUN, TARGET_PROBE
 
     engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
     engine.time_host = engine.time_live_steps = True
@@ -288,7 +289,7 @@ def test_a_fallen_back_bucket_speculates_in_runs_that_show_their_host_work(pair)
     engine.live_step_ms[bucket, "dflash"], engine.live_step_ms[bucket, "target"] = 1.0, 0.25
     engine.host_ms[bucket, "dflash"] = 4.0  # e.g. a first sample that held a request's arrival
     engine.host_ms[bucket, "target"] = 0.3  # target-only: 1 / 0.3 tokens per ms against DFlash's 1.5 / 4
-    period = PROBE_RUN * FALLBACK_PROBE
+    period = TARGET_PROBE
     engine._live_steps = 0
     runs = [engine._mode_for(1) for _ in range(2 * period + PROBE_RUN - 1)]
     assert runs.count("dflash") == 2 * PROBE_RUN and runs.count("target") == 2 * period - PROBE_RUN - 1
