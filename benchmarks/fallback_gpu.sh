@@ -13,15 +13,8 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-run() {  # NOTE: one part failing does not stop the others; run NAME SECONDS COMMAND...
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name: $*" | tee -a "$out/fallback.log"
-  timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -40 >> "$out/fallback.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name exit $rc" | tee -a "$out/fallback.log"
-  [ "$rc" -eq 0 ] || status=$rc
-}
+summary="$out/fallback.log"
+source benchmarks/gpu_parts.sh  # run NAME SECONDS COMMAND...: one part, its own time bound
 run live_choice 100 python benchmarks/serve_live_choice.py --server-flags="--mode dscale --target-fallback true" \
   --points greedy:0 t1:1 greedy:0 t07p08:0.7/0.8 --concurrency 1 8 --duration 3 --every-s 0.2 \
   --client-processes 4 --device cuda --out "$out/live_choice.json"

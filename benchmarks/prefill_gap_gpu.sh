@@ -15,15 +15,8 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-run() {  # NOTE: one part failing does not stop the others; run NAME SECONDS COMMAND...
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name: $*" | tee -a "$out/prefill_gap.log"
-  timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -40 >> "$out/prefill_gap.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name exit $rc" | tee -a "$out/prefill_gap.log"
-  [ "$rc" -eq 0 ] || status=$rc
-}
+summary="$out/prefill_gap.log"
+source benchmarks/gpu_parts.sh  # run NAME SECONDS COMMAND...: one part, its own time bound
 pool=()
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && pool=(--kv-cache-tokens 98304)
 run profile_demo 50 python benchmarks/prefill_profile_gpu.py --buckets 16 32 64 512 768 1536 --reps 3 \

@@ -23,24 +23,21 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 WATCHED = ("dscale_live_accept_length", "dscale_live_step_ms", "dscale_live_host_ms", "dscale_decode_steps_by_step",
            "dscale_step_policy")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The watched families' samples of a Prometheus text page, `name{labels}` -> value (labels minus `model`)."""
+    """The watched families' samples of a Prometheus text page (prometheus_client's parser), `name{labels}` ->
+    value, the model's label left out."""
     out = {}
-    for line in text.splitlines():
-        if not line.startswith(WATCHED) or line.startswith("dscale_step_policy_ms"):
-            continue
-        key, _, value = line.rpartition(" ")
-        if "{" in key:
-            name, labels = key.split("{", 1)
-            labels = ",".join(p for p in labels.rstrip("}").split(",")
-                              if p and not p.startswith(("model=", "model_name=")))
-            key = f"{name}{{{labels}}}" if labels else name
-        out[key] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(WATCHED) and not sample.name.startswith("dscale_step_policy_ms"):
+                labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items() if k not in ("model", "model_name"))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
 

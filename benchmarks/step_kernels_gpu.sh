@@ -14,15 +14,9 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-run() {  # NOTE: one part failing does not stop the others; run NAME SECONDS COMMAND...
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name: $*" | tee -a "$out/step_kernels.log"
-  timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -60 >> "$out/step_kernels.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name exit $rc" | tee -a "$out/step_kernels.log"
-  [ "$rc" -eq 0 ] || status=$rc
-}
+summary="$out/step_kernels.log"
+SUMMARY_TAIL=60
+source benchmarks/gpu_parts.sh  # run NAME SECONDS COMMAND...: one part, its own time bound
 run step_8b 170 python benchmarks/dflash2_step.py --ns 8 16 32 --reps 20 --rounds 5 --decision-kernels \
   --profile --out "$out/step_8b.json"
 run step_demo 85 python benchmarks/dflash2_step.py --shape demo --ns 8 32 --context 256 --reps 30 --rounds 5 \

@@ -317,11 +317,11 @@ class PrefillRunner:
         for tokens in self.buckets:
             per = min(tokens, span)  # NOTE: a bucket wider than one request's table is measured over several
             sizes = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
-            keys = max(1, min(long_context or 16384, span - per))
+            long = min(long_context or 16384, span - per)
             for solo in self.variants():
                 step = self.get(tokens, False, False, solo)
                 times = []
-                for ctx in (0, min(long_context or 16384, span - per)):
+                for ctx in (0, long):
                     pages = itertools.count()
                     chunks = [PrefillChunk([0] * k, ctx, [1 + next(pages) % free_pages if free_pages else
                                                           SCRATCH_PAGE for _ in range(-(-(ctx + k) // self.page_size))])
@@ -330,9 +330,9 @@ class PrefillRunner:
                     step()
                     times.append(float(np.median(cuda_times(step, reps))))
                 if solo or not self.solo:
-                    self.bucket_ms[tokens] = (times[0], times[1], keys)
+                    self.bucket_ms[tokens] = (times[0], times[1], max(1, long))
                 if not solo:
-                    self.many_ms[tokens] = (times[0], times[1], keys)
+                    self.many_ms[tokens] = (times[0], times[1], max(1, long))
 
     def ms_at(self, tokens: int, ctx: int, many: bool = False) -> float:
         """Measured time of a bucket's prefill after `ctx` keys (linear in the keys between the two measures); with

@@ -367,6 +367,7 @@ def test_serve_live_choice_reads_the_live_choice_off_metrics(demo_server):
                 expected[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     got = module.parse_metrics(text)
     assert got == expected
+    assert not any("model_name" in k or k.startswith(("dscale_step_policy_ms", "dscale_requests")) for k in got)
     assert {k for k in got if k.startswith("dscale_step_policy{")} == {
         f'dscale_step_policy{{bucket="{b}",step="dscale"}}' for b in (1, 2, 4, 8)}
     assert any(k.startswith("dscale_decode_steps_by_step") for k in got)
