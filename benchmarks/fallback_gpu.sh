@@ -7,6 +7,7 @@
 #      sampling points, 4 rounds, the client in 4 processes (`serve_sweep_gpu.sh` with PAIRED=1): the default's
 #      place against the best of target / DFlash / DScale, with and without the fallback.
 # Usage: bash benchmarks/fallback_gpu.sh OUT_DIR   (each part has its own time bound; under 10 minutes in all)
+# ROUNDS (default 4) sets the sweep's rounds.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/fallback_gpu.sh OUT_DIR}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -18,7 +19,7 @@ source benchmarks/gpu_parts.sh  # run NAME SECONDS COMMAND...: one part, its own
 run live_choice 100 python benchmarks/serve_live_choice.py --server-flags="--mode dscale --target-fallback true" \
   --points greedy:0 t1:1 greedy:0 t07p08:0.7/0.8 --concurrency 1 8 --duration 3 --every-s 0.2 \
   --client-processes 4 --device cuda --out "$out/live_choice.json"
-PAIRED=1 PIN=1 ROUNDS=4 MIN_S=2 CLIENT_PROCESSES=4 \
+PAIRED=1 PIN=1 ROUNDS=${ROUNDS:-4} MIN_S=2 CLIENT_PROCESSES=4 \
   CONFIGS="target:--mode target;dflash:--mode dflash;dscale:--mode dscale;dscale-fb:--mode dscale --target-fallback true" \
   run sweep 440 bash benchmarks/serve_sweep_gpu.sh "$out/sweep" cuda
 exit $status

@@ -9,6 +9,7 @@
 # The 8B gap engines' pool is 98,304 tokens on an H100 (80 GB; the default sizing fills an H200's 141 GB); the
 # profile's always.
 # Usage: bash benchmarks/prefill_gap_gpu.sh OUT_DIR   (each part has its own time bound; under 10 minutes in all)
+# PARTS (default "profile_demo profile_8b gap") picks parts; STALL_RATIOS (default "0.8 1.0") the gap's ratios.
 set -uo pipefail
 out=${1:?usage: bash benchmarks/prefill_gap_gpu.sh OUT_DIR}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -19,10 +20,12 @@ summary="$out/prefill_gap.log"
 source benchmarks/gpu_parts.sh  # run NAME SECONDS COMMAND...: one part, its own time bound
 pool=()
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && pool=(--kv-cache-tokens 98304)
-run profile_demo 50 python benchmarks/prefill_profile_gpu.py --buckets 16 32 64 512 768 1536 --reps 3 \
-  --out "$out/profile_demo.json"
-run profile_8b 120 python benchmarks/prefill_profile_gpu.py --shape qwen3-8b --buckets 16 32 64 128 --reps 3 \
-  --max-model-len 17408 --kv-cache-tokens 98304 --out "$out/profile_8b.json"
-run gap 360 python benchmarks/capacity_gpu.py --parts gap --chunks 8192 --stall-ratios 0.8 1.0 "${pool[@]}" \
-  --out "$out/gap.json"
+parts=" ${PARTS:-profile_demo profile_8b gap} "
+read -ra ratios <<< "${STALL_RATIOS:-0.8 1.0}"
+[[ $parts == *" profile_demo "* ]] && run profile_demo 50 python benchmarks/prefill_profile_gpu.py \
+  --buckets 16 32 64 512 768 1536 --reps 3 --out "$out/profile_demo.json"
+[[ $parts == *" profile_8b "* ]] && run profile_8b 120 python benchmarks/prefill_profile_gpu.py --shape qwen3-8b \
+  --buckets 16 32 64 128 --reps 3 --max-model-len 17408 --kv-cache-tokens 98304 --out "$out/profile_8b.json"
+[[ $parts == *" gap "* ]] && run gap 360 python benchmarks/capacity_gpu.py --parts gap --chunks 8192 \
+  --stall-ratios "${ratios[@]}" "${pool[@]}" --out "$out/gap.json"
 exit $status
