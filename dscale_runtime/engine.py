@@ -56,12 +56,28 @@ TARGET_PROBE = 8 * FALLBACK_PROBE
 PROBE_RUN = 3
 """A probe into or out of target-only steps runs this many steps in a row: with the overlap schedule a cycle commits
 the step before the one it launches, so only a probe's later cycles show its own host work (`host_ms`)."""
-STEP_TIME_WEIGHT = 0.1
-"""Weight of each step in the running mean of a bucket's live step time per mode (about the last 10 of them)."""
+COST_DOWN_WEIGHT, COST_UP_WEIGHT = 0.3, 0.03
+"""Weights of a sample below / above the live choice's current cost estimate of a (bucket, mode), device step time
+(`live_step_ms`) and host work per cycle (`host_ms`) alike (`track_cost`): the estimates follow each cost's floor.
+What lands on a step beside its own work only adds time (a step probed between another mode's steps: on an H100 at
+T = 1, concurrency 1, the demo pair's target-only probes read 0.32-0.45 ms of device time and 0.45-0.52 ms of host
+work against 0.25-0.27 and 0.28 in a run of target-only steps), and a symmetric mean of such samples kept a bucket
+on DFlash steps that served 0.80x target-only's rate."""
 CYCLE_WEIGHT = 0.1
 """Weight of each engine cycle in the running mean of the wall time between decode steps (`Engine.cycle_ms`)."""
 CYCLE_REFERENCE_CAP = 8.0
 """The prefill chunk's reference (`Engine.stall_reference_ms`) is at most this many decode steps."""
+
+
+def track_cost(estimates: dict, key, sample: float) -> None:
+    """Update `estimates[key]`, a running estimate of a cost's floor: the first sample sets it, a later one moves it
+    by COST_DOWN_WEIGHT of the difference where lower, COST_UP_WEIGHT where higher (a real rise, e.g. sampled
+    traffic's longer steps, is followed over ~30 of the mode's samples)."""
+    old = estimates.get(key)
+    if old is None:
+        estimates[key] = sample
+    else:
+        estimates[key] = old + (COST_DOWN_WEIGHT if sample < old else COST_UP_WEIGHT) * (sample - old)
 
 
 class Engine:
@@ -179,15 +195,17 @@ class Engine:
         self.live_acceptance: dict[str, float] = {}
         """Running mean of accepted drafts per request-step, per speculative step ('dflash', 'dscale')."""
         self.live_step_ms: dict[tuple[int, str], float] = {}
-        """(bucket, step mode) -> running mean of its steps' device time (ms) while serving: the actual batch's
-        kinds (sampled ones cost more than the greedy steps timed at start-up) at its actual context lengths."""
+        """(bucket, step mode) -> its steps' device time (ms) while serving, a running estimate of its floor
+        (`track_cost`): the actual batch's kinds (sampled ones cost more than the greedy steps timed at start-up) at
+        its actual context lengths."""
         self.time_live_steps = self.runner.use_graphs and not self.tensor_parallel
         """Whether committed steps update `live_step_ms` (captured steps: their start-up times exist to start from)."""
         self.host_ms: dict[tuple[int, str], float] = {}
-        """(bucket, step mode) -> running mean of the host's own work (ms) per engine cycle that launched such a
-        step: the cycle's wall time less the time it waited for the device. With the overlap schedule a step costs
-        the loop about max(device time, host time), so the live choice compares that (`step_costs`): in a
-        host-bound loop (a server streaming every token) speculation's extra device time hides behind the host's."""
+        """(bucket, step mode) -> the host's own work (ms) per engine cycle that launched such a step, a running
+        estimate of its floor (`track_cost`): the cycle's wall time less the time it waited for the device. With
+        the overlap schedule a step costs the loop about max(device time, host time), so the live choice compares
+        that (`step_costs`): in a host-bound loop (a server streaming every token) speculation's extra device time
+        hides behind the host's."""
         self.time_host = self.time_live_steps and self.device.type == "cuda"
         """Whether cycles update `host_ms` (captured CUDA steps, whose device times are measured apart)."""
         self._live_steps = 0
@@ -487,8 +505,7 @@ class Engine:
         # first decode cycle of every request held them, and a mode's estimate could start from one such sample)
         if (last is not None and not last[1] and last[3] is not None and self.time_host
                 and last[4] <= {last[3][1]}):
-            host, old = max(0.0, (now - last[0]) * 1e3 - last[2]), self.host_ms.get(last[3])
-            self.host_ms[last[3]] = host if old is None else old + CYCLE_WEIGHT * (host - old)  # key (bucket, mode)
+            track_cost(self.host_ms, last[3], max(0.0, (now - last[0]) * 1e3 - last[2]))  # key (bucket, mode)
         self._cycle = [now, (last[1] << 1) & 0b110 if last is not None else 0b110, 0.0, None, set()]
 
     def _waited(self, ms: float) -> None:
@@ -716,14 +733,16 @@ class Engine:
         live / start-up ratio of the modes that have run in the bucket (1 before any has), so that start-up
         and live times compare on one scale; at least the host's own work per cycle of that mode (`host_ms`),
         which the overlap schedule cannot hide."""
-        start = self.runner.policy_ms[bucket]
-        live = {m: self.live_step_ms[bucket, m] for m in modes if (bucket, m) in self.live_step_ms}
-        scale = float(np.mean([live[m] / start[m] for m in live])) if live else 1.0
-        device = {m: live.get(m, start[m] * scale) for m in modes}
-        host = {m: self.host_ms[bucket, m] for m in modes if (bucket, m) in self.host_ms}
+        # NOTE: plain floats, not numpy: this runs before every decode step, whose host cycle at concurrency 1 is
+        # ~0.3 ms on the demo pair (np.mean made `_mode_for` ~15 us on a 2-core CPU, ~5.5 us without)
+        start, step_ms, host_ms = self.runner.policy_ms[bucket], self.live_step_ms, self.host_ms
+        live = {m: step_ms[bucket, m] for m in modes if (bucket, m) in step_ms}
+        scale = sum(live[m] / start[m] for m in live) / len(live) if live else 1.0
+        device = {m: live[m] if m in live else start[m] * scale for m in modes}
+        host = {m: host_ms[bucket, m] for m in modes if (bucket, m) in host_ms}
         if not host:
             return device
-        fallback = float(np.mean(list(host.values())))  # NOTE: a mode not measured yet: the measured ones' mean
+        fallback = sum(host.values()) / len(host)  # NOTE: a mode not measured yet: the measured ones' mean
         return {m: max(device[m], host.get(m, fallback)) for m in modes}
 
     def _decode(self, requests: list[Request]) -> list[Request]:
@@ -775,10 +794,7 @@ class Engine:
         if self._cycle is not None:
             self._cycle[4].add(mode)
         if self.time_live_steps and result.device_ms is not None and self.runner.policy_ms:
-            key = (self.runner.bucket(len(requests)), mode)
-            old = self.live_step_ms.get(key)
-            self.live_step_ms[key] = result.device_ms if old is None else \
-                old + STEP_TIME_WEIGHT * (result.device_ms - old)
+            track_cost(self.live_step_ms, (self.runner.bucket(len(requests)), mode), result.device_ms)
         if mode != "target" and result.accepted:
             mean = sum(result.accepted) / len(result.accepted)
             old = self.live_acceptance.get(mode)

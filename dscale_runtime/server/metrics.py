@@ -160,13 +160,13 @@ class _ScrapeCollector:
         for mode, accepted in sorted(getattr(engine, "live_acceptance", {}).items()):
             live.add_metric([model, mode], 1.0 + accepted)
         yield live
-        step_ms = GaugeMetricFamily("dscale_live_step_ms", "Running mean of a bucket's decode step device time (ms) "
+        step_ms = GaugeMetricFamily("dscale_live_step_ms", "A bucket's decode step device time (ms), a running floor, "
                                     "per step mode while serving (the live choice's costs; captured steps only).",
                                     labels=["model_name", "bucket", "step"])
         for (bucket, mode), ms in sorted(getattr(engine, "live_step_ms", {}).items()):
             step_ms.add_metric([model, str(bucket), mode], ms)
         yield step_ms
-        host_ms = GaugeMetricFamily("dscale_live_host_ms", "Running mean of the host's own work (ms) per engine "
+        host_ms = GaugeMetricFamily("dscale_live_host_ms", "The host's own work (ms), a running floor, per engine "
                                     "cycle that launched a bucket's step of this mode (the cycle's wall time less its "
                                     "waits for the device); a step costs the live choice at least this.",
                                     labels=["model_name", "bucket", "step"])
