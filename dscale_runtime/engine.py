@@ -60,9 +60,9 @@ COST_DOWN_WEIGHT, COST_UP_WEIGHT = 0.3, 0.03
 """Weights of a sample below / above the live choice's current cost estimate of a (bucket, mode), device step time
 (`live_step_ms`) and host work per cycle (`host_ms`) alike (`track_cost`): the estimates follow each cost's floor.
 What lands on a step beside its own work only adds time (a step probed between another mode's steps: on an H100 at
-T = 1, concurrency 1, the demo pair's target-only probes read 0.32-0.45 ms of device time and 0.45-0.52 ms of host
-work against 0.25-0.27 and 0.28 in a run of target-only steps), and a symmetric mean of such samples kept a bucket
-on DFlash steps that served 0.80x target-only's rate."""
+T = 1, concurrency 1, the demo pair's target-only estimates read up to 0.35 ms of device time and 0.40-0.52 ms of
+host work while probed between DFlash steps, against 0.25-0.29 and 0.28-0.30 in runs of target-only steps), and a
+symmetric mean of such samples put the bucket back on DFlash steps (0.80x target-only's rate there) again and again."""
 CYCLE_WEIGHT = 0.1
 """Weight of each engine cycle in the running mean of the wall time between decode steps (`Engine.cycle_ms`)."""
 CYCLE_REFERENCE_CAP = 8.0
