@@ -52,7 +52,13 @@ in a row every TARGET_PROBE-th step."""
 ACCEPTANCE_WEIGHT = 0.05
 """Weight of each step in the running mean of live acceptance (about the last 20 steps)."""
 TARGET_PROBE = 8 * FALLBACK_PROBE
-"""While speculation pays, every this-many-th step may run a target-only step, to keep its live time current."""
+"""Where target-only steps are best, every this-many-th step speculates (PROBE_RUN steps in a row): acceptance
+follows the traffic, so speculation's estimate must too."""
+TARGET_REFRESH = 8 * TARGET_PROBE
+"""While speculation pays, every this-many-th step runs target-only steps (PROBE_RUN in a row) to keep their live
+cost current. That cost follows only the batch and its sampling kind, not the traffic's acceptance, so few samples
+do; each probe step serves ~1/3 of a greedy DFlash step's tokens on the demo pair (3 in 128 steps cost ~1.4% at
+concurrency 1, 3 in 1,024 ~0.2%)."""
 PROBE_RUN = 3
 """A probe into or out of target-only steps runs this many steps in a row: with the overlap schedule a cycle commits
 the step before the one it launches, so only a probe's later cycles show its own host work (`host_ms`)."""
@@ -685,7 +691,7 @@ class Engine:
         is target-only, every `TARGET_PROBE`-th step, for `PROBE_RUN` steps in a row, so that the later cycles of the
         run show the speculative step's own host work (and the probes, slower than target-only steps there, take
         ~5% of the time at concurrency 1 on the demo pair at T = 1, rather than the 13% of one step in 16). With
-        live times a target-only step is probed too, once per bucket and then every `TARGET_PROBE`-th step, for
+        live times a target-only step is probed too, once per bucket and then every `TARGET_REFRESH`-th step, for
         `PROBE_RUN` steps in a row."""
         mode = self.runner.mode_for(n)
         modes = self.runner.live_modes(n) if not self.step_observers else [mode]
@@ -709,14 +715,14 @@ class Engine:
             others = [m for m in modes if m not in (best, "target")]
             unknown = [m for m in others if m not in self.live_acceptance]
             # NOTE: a target step gains one token: it is probed only for its live time, once per bucket (as soon as
-            # the best step has one there) and then every TARGET_PROBE-th step
+            # the best step has one there) and then every TARGET_REFRESH-th step
             target_probe = self.time_live_steps and best != "target" and "target" in modes
             if unknown and mode in rates:  # NOTE: a step never measured runs once the first one has an estimate
                 best = unknown[0]
             elif target_probe and (bucket, "target") not in self.live_step_ms and (bucket, best) in self.live_step_ms:
                 best = "target"
             elif self._live_steps % FALLBACK_PROBE == 0:
-                if target_probe and self._live_steps % TARGET_PROBE == 0:
+                if target_probe and self._live_steps % TARGET_REFRESH == 0:
                     others.append("target")
                 if others and (chosen != "target" or self._live_steps % TARGET_PROBE == 0):
                     best = min(others, key=lambda m: self._last_run.get(m, -1))

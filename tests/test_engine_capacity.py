@@ -305,6 +305,24 @@ def test_a_fallen_back_bucket_speculates_in_runs_that_show_their_host_work(pair)
     assert engine._mode_for(1, probe=False) == "dflash"
 
 
+def test_target_only_steps_are_refreshed_rarely_while_speculation_pays(pair):  # noqa: F811
+    """While DFlash is best, target-only steps run only to keep their cost current: PROBE_RUN in a row every
+    TARGET_REFRESH steps (their cost does not follow acceptance), after the bucket's first probe."""
+    from dscale_runtime.engine import PROBE_RUN, TARGET_PROBE, TARGET_REFRESH
+
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    engine.time_live_steps = True
+    bucket = engine.runner.bucket(1)
+    engine.live_acceptance["dflash"] = 2.0
+    engine.live_step_ms[bucket, "dflash"], engine.live_step_ms[bucket, "target"] = 1.0, 1.0
+    engine._live_steps = 0
+    runs = [engine._mode_for(1) for _ in range(2 * TARGET_REFRESH + PROBE_RUN - 1)]
+    assert TARGET_REFRESH > TARGET_PROBE
+    assert runs.count("target") == 2 * PROBE_RUN, runs.count("target")
+    first = runs.index("target")
+    assert first == TARGET_REFRESH - 1 and runs[first : first + PROBE_RUN] == ["target"] * PROBE_RUN
+
+
 def test_live_costs_follow_the_floor_of_their_samples(pair):  # noqa: F811
     """Time that lands on a step beside its own work only adds: the live choice's cost estimates track each cost's
     floor (`track_cost`). Numbers from an H100 served trace (demo pair, T = 1, concurrency 1): DFlash steps 0.63 ms
