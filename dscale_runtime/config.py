@@ -68,10 +68,11 @@ class EngineConfig:
     target_fallback: bool = False
     """Speculative modes with `step_graphs` on CUDA: also capture and time each bucket's target-only step, and
     run a bucket's steps target-only while the live acceptance says speculation yields fewer tokens per second
-    (step costs: live device times and host work per cycle, start-up times before those; x (1 + accepted
-    drafts per request-step, a running mean over recent steps)); a fallen-back bucket still speculates, 3 steps
-    in a row every 128, keeping the estimates current. Off: served on an H100
-    (2026-12-05) it settled on target-only steps for greedy traffic at concurrency 1 (docs/benchmarks.md)."""
+    (step costs: live device times and host work per cycle, each a running estimate of its floor, start-up times
+    before those; x (1 + accepted drafts per request-step, a running mean over recent steps)); a fallen-back
+    bucket still speculates, 3 steps in a row every 128, and a speculating one runs target-only steps 3 in a row
+    every 1,024, keeping the estimates current. Off: served on an H100 (2026-12-06) it kept greedy traffic on
+    DFlash but reached only 0.88x target-only at T = 1, concurrency 1 (docs/benchmarks.md)."""
     live_calibration: bool = False
     """DScale only: refresh a calibration of the acceptance predictor's scores from the served steps and apply
     it inside the step (`dscale_runtime/dvl/calibration.py`: a per-position monotone piecewise-linear map of

@@ -61,7 +61,7 @@ class ServeConfig:
     target_fallback: bool = False
     """Speculative modes with step graphs: run a batch size's steps target-only while the live acceptance and the
     step times say speculation yields fewer tokens per second (3 speculative steps in a row every 128 keep
-    measuring); /metrics shows the choice per bucket."""
+    measuring; while speculating, 3 target-only steps every 1,024); /metrics shows the choice per bucket."""
     measure_retention: bool = False
     """DScale: also run full-width verification to report retention in /metrics (costs a second forward)."""
     live_calibration: bool = False
