@@ -475,3 +475,33 @@ def test_agreement_features_follow_each_request_through_chunks_cache_and_preempt
                 assert all(ring[p % r] == tokens[rid][p] for p in range(max(0, last - r + 1), last + 1)), rid
                 checked += 1
     assert checked > rows // 2
+
+
+def test_live_choice_model_runs_the_engines_choice():
+    """benchmarks/live_choice_sim.py drives `Engine._mode_for` with simulated steps: on its T = 1-like model (drafts
+    that rarely pay, target-only probes that read high between DFlash steps) the floor estimators keep the bucket
+    on target-only steps (within ~3% of them: the probes) and do no worse than the symmetric mean; on greedy-like
+    drafts the choice keeps DFlash."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    import dscale_runtime.engine as engine_module
+
+    path = Path(__file__).parents[1] / "benchmarks" / "live_choice_sim.py"
+    spec = importlib.util.spec_from_file_location("live_choice_sim", path)
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    base = dict(tokens=128, requests=60, target_ms=0.26, target_host_ms=0.28, dflash_ms=0.63, dflash_host_ms=0.31,
+                probe_steps=3, probe_device_extra=0.08, probe_host_extra=0.2)
+    t1 = argparse.Namespace(alpha=[0.25, 0.6], **base)
+    floor = sim.simulate(t1)
+    built = (engine_module.COST_DOWN_WEIGHT, engine_module.COST_UP_WEIGHT)
+    try:
+        engine_module.COST_DOWN_WEIGHT = engine_module.COST_UP_WEIGHT = 0.1
+        symmetric = sim.simulate(t1)
+    finally:
+        engine_module.COST_DOWN_WEIGHT, engine_module.COST_UP_WEIGHT = built
+    assert floor["x_target"] > 0.97 and floor["x_target"] >= symmetric["x_target"], (floor, symmetric)
+    greedy = sim.simulate(argparse.Namespace(alpha=[0.6, 0.85], **base))
+    assert greedy["x_target"] > 1.4 and greedy["steps"]["target"] < 0.01 * greedy["steps"]["dflash"], greedy
