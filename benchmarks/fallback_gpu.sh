@@ -9,13 +9,8 @@
 # Usage: bash benchmarks/fallback_gpu.sh OUT_DIR   (each part has its own time bound; under 10 minutes in all)
 # ROUNDS (default 4) sets the sweep's rounds.
 set -uo pipefail
-out=${1:?usage: bash benchmarks/fallback_gpu.sh OUT_DIR}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-status=0
-summary="$out/fallback.log"
-source benchmarks/gpu_parts.sh  # run NAME SECONDS COMMAND...: one part, its own time bound
+source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
+gpu_call "${1:?usage: bash benchmarks/fallback_gpu.sh OUT_DIR}" fallback
 run live_choice 100 python benchmarks/serve_live_choice.py --server-flags="--mode dscale --target-fallback true" \
   --points greedy:0 t1:1 greedy:0 t07p08:0.7/0.8 --concurrency 1 8 --duration 3 --every-s 0.2 \
   --client-processes 4 --device cuda --out "$out/live_choice.json"

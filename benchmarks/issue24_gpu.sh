@@ -10,21 +10,14 @@
 # Usage: bash benchmarks/issue24_gpu.sh OUT_DIR   (each part has its own time bound; under 10 minutes in all)
 # PARTS (default "demo_e2e ttft engine_8b") picks parts.
 set -uo pipefail
-out=${1:?usage: bash benchmarks/issue24_gpu.sh OUT_DIR}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-status=0
-summary="$out/issue24.log"
-source benchmarks/gpu_parts.sh  # run NAME SECONDS COMMAND...: one part, its own time bound
-pool=()
-nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && pool=(--kv-cache-tokens 98304)
-parts=" ${PARTS:-demo_e2e ttft engine_8b} "
-[[ $parts == *" demo_e2e "* ]] && run demo_e2e 230 python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 \
+source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
+gpu_call "${1:?usage: bash benchmarks/issue24_gpu.sh OUT_DIR}" issue24
+PARTS=${PARTS:-demo_e2e ttft engine_8b}
+part demo_e2e && run demo_e2e 230 python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 \
   --concurrency 32 8 --step-graphs --repeats 5 --min-seconds 2 --modes target dflash dscale --no-overlap-too \
   --out "$out/demo_e2e.json"
-[[ $parts == *" ttft "* ]] && run ttft 160 python benchmarks/capacity_gpu.py --parts ttft --chunks 8192 "${pool[@]}" \
+part ttft && run ttft 160 python benchmarks/capacity_gpu.py --parts ttft --chunks 8192 "${pool[@]}" \
   --out "$out/ttft.json"
-[[ $parts == *" engine_8b "* ]] && run engine_8b 170 python benchmarks/engine_8b.py --overlap on \
+part engine_8b && run engine_8b 170 python benchmarks/engine_8b.py --overlap on \
   --out "$out/engine_8b.json"
 exit $status

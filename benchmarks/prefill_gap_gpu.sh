@@ -11,21 +11,14 @@
 # Usage: bash benchmarks/prefill_gap_gpu.sh OUT_DIR   (each part has its own time bound; under 10 minutes in all)
 # PARTS (default "profile_demo profile_8b gap") picks parts; STALL_RATIOS (default "0.8 1.0") the gap's ratios.
 set -uo pipefail
-out=${1:?usage: bash benchmarks/prefill_gap_gpu.sh OUT_DIR}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-status=0
-summary="$out/prefill_gap.log"
-source benchmarks/gpu_parts.sh  # run NAME SECONDS COMMAND...: one part, its own time bound
-pool=()
-nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && pool=(--kv-cache-tokens 98304)
-parts=" ${PARTS:-profile_demo profile_8b gap} "
+source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
+gpu_call "${1:?usage: bash benchmarks/prefill_gap_gpu.sh OUT_DIR}" prefill_gap
+PARTS=${PARTS:-profile_demo profile_8b gap}
 read -ra ratios <<< "${STALL_RATIOS:-0.8 1.0}"
-[[ $parts == *" profile_demo "* ]] && run profile_demo 50 python benchmarks/prefill_profile_gpu.py \
+part profile_demo && run profile_demo 50 python benchmarks/prefill_profile_gpu.py \
   --buckets 16 32 64 512 768 1536 --reps 3 --out "$out/profile_demo.json"
-[[ $parts == *" profile_8b "* ]] && run profile_8b 120 python benchmarks/prefill_profile_gpu.py --shape qwen3-8b \
+part profile_8b && run profile_8b 120 python benchmarks/prefill_profile_gpu.py --shape qwen3-8b \
   --buckets 16 32 64 128 --reps 3 --max-model-len 17408 --kv-cache-tokens 98304 --out "$out/profile_8b.json"
-[[ $parts == *" gap "* ]] && run gap 360 python benchmarks/capacity_gpu.py --parts gap --chunks 8192 \
+part gap && run gap 360 python benchmarks/capacity_gpu.py --parts gap --chunks 8192 \
   --stall-ratios "${ratios[@]}" "${pool[@]}" --out "$out/gap.json"
 exit $status

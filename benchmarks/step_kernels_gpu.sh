@@ -9,14 +9,9 @@
 #      and DFlash / DScale admitting at once (`group1`) beside the default admission groups (4 at c = 32).
 # Usage: bash benchmarks/step_kernels_gpu.sh OUT_DIR   (under 10 minutes on an H200: each part has its own time bound)
 set -uo pipefail
-out=${1:?usage: bash benchmarks/step_kernels_gpu.sh OUT_DIR}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-status=0
-summary="$out/step_kernels.log"
 SUMMARY_TAIL=60
-source benchmarks/gpu_parts.sh  # run NAME SECONDS COMMAND...: one part, its own time bound
+source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
+gpu_call "${1:?usage: bash benchmarks/step_kernels_gpu.sh OUT_DIR}" step_kernels
 run step_8b 170 python benchmarks/dflash2_step.py --ns 8 16 32 --reps 20 --rounds 5 --decision-kernels \
   --profile --out "$out/step_8b.json"
 run step_demo 85 python benchmarks/dflash2_step.py --shape demo --ns 8 32 --context 256 --reps 30 --rounds 5 \
