@@ -6,7 +6,7 @@ target-only step costs `--target-ms` of device time and `--target-host-ms` of ho
 `--dflash-ms` and `--dflash-host-ms`. The first `--probe-steps` target-only steps of a run that follows DFlash
 steps read `--probe-device-extra` / `--probe-host-extra` ms more (the H100 trace of 2026-12-06: target-only probes
 between DFlash steps read up to 0.35 / 0.52 ms against 0.26 / 0.28 in runs of their own). Each step's sample goes
-through the engine's estimators (`track_cost`, the live acceptance's running mean) as `Engine._commit_step` and
+through the engine's estimators (`track_cost`, `Engine.observe_acceptance`) as `Engine._commit_step` and
 `Engine._time_cycle` feed them (host work from a run's second cycle on). Prints tokens per ms against target-only
 steps throughout, with the cost estimators' weights as built and, for comparison, symmetric at 0.1 (the
 estimator before 2026-12-06). A model, not a measurement: its numbers say which way a change moves the choice.
@@ -52,9 +52,7 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
                 while accepted < 15 and rng.random() < alpha:
                     accepted += 1
                 device, host, got = args.dflash_ms, args.dflash_host_ms, 1 + accepted
-                old = engine.live_acceptance.get("dflash")
-                engine.live_acceptance["dflash"] = accepted if old is None else \
-                    old + engine_module.ACCEPTANCE_WEIGHT * (accepted - old)
+                engine.observe_acceptance("dflash", [accepted])
             time_ms += max(device, host)
             track_cost(engine.live_step_ms, (1, mode), device + (args.probe_device_extra if probed else 0.0))
             if run >= 2:  # NOTE: a run's first cycle commits the step before it (`Engine._time_cycle`)

@@ -809,9 +809,7 @@ class Engine:
         if self.time_live_steps and result.device_ms is not None and self.runner.policy_ms:
             track_cost(self.live_step_ms, (self.runner.bucket(len(requests)), mode), result.device_ms)
         if mode != "target" and result.accepted:
-            mean = sum(result.accepted) / len(result.accepted)
-            old = self.live_acceptance.get(mode)
-            self.live_acceptance[mode] = mean if old is None else old + ACCEPTANCE_WEIGHT * (mean - old)
+            self.observe_acceptance(mode, result.accepted)
         live = [i for i, r in enumerate(requests) if r.status is Status.RUNNING]
         finished = self._advance([requests[i] for i in live], [result.accepted[i] for i in live],
                                  [result.successors[i] for i in live], [result.drafts[i] for i in live],
@@ -822,6 +820,12 @@ class Engine:
             for observer in self.step_observers:
                 observer(trace)
         return finished
+
+    def observe_acceptance(self, mode: str, accepted: list[int]) -> None:
+        """Fold one committed speculative step's accepted drafts per row into `live_acceptance[mode]`."""
+        mean = sum(accepted) / len(accepted)
+        old = self.live_acceptance.get(mode)
+        self.live_acceptance[mode] = mean if old is None else old + ACCEPTANCE_WEIGHT * (mean - old)
 
     def _advance(self, requests: list[Request], accepted: list[int], successors: list[int],
                  drafts: list[list[int]], lens: list[int]) -> list[Request]:
