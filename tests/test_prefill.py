@@ -65,10 +65,12 @@ def plain(pair):  # noqa: F811
     return prompts, params, engine.generate(prompts, params)
 
 
-@pytest.mark.parametrize("mode,chunk", [("target", 0), ("dflash", 24), ("dflash", 0)])
+@pytest.mark.parametrize("mode,chunk", [("target", 0), ("dflash", 24), ("dflash", 0), ("target", 200)])
 def test_padded_bucket_prefill_decodes_target_only_tokens(pair, plain, mode, chunk):  # noqa: F811
-    """Prefills padded to 16 / 48-token buckets (what the graphs replay), eager above 48, mixed greedy and
-    seeded top-1 sampling (target-only's own draws), with prefix caching: target-only's tokens."""
+    """Prefills padded to 16 / 48-token buckets (what the graphs replay), mixed greedy and seeded top-1 sampling
+    (target-only's own draws), with prefix caching: target-only's tokens. With chunking on, a step prefills at
+    most the largest bucket (a 200-token budget: 48), so nothing runs eagerly; with it off, prompts above 48
+    tokens prefill whole, eagerly."""
     prompts, params, want = plain
     engine = make_engine(pair, mode, max_running_requests=4, prefill_buckets=(16, 48), chunked_prefill_tokens=chunk,
                          sampling_rule="top1")
@@ -84,6 +86,8 @@ def test_padded_bucket_prefill_decodes_target_only_tokens(pair, plain, mode, chu
     assert_same(engine.generate(prompts, params), want)
     assert engine.prefiller.pad and engine.prefiller.buckets == [16, 48]
     assert (engine.prefiller.eager_calls > 0) == (chunk == 0)  # whole 70+ token prompts run above the buckets
+    if chunk > 48:  # the budget alone would have prefilled several prompts together, above 48 tokens, eagerly
+        assert max(tokens for tokens, *_ in engine.prefiller.steps) == 48
     # One request's chunk runs the bucket's one-request variant (one slot), several requests the full bucket
     assert {solo for solo, _ in ran} == {True, False} and all(slots == (1 if solo else 4) for solo, slots in ran)
     assert engine.prefix_cache_stats["hit_tokens"] > 0
