@@ -106,9 +106,9 @@ class EngineConfig:
     """With `step_graphs` on CUDA: prefill through captured graphs too, one per token bucket
     (`prefill_buckets`) and first-token draw kind (greedy, sampled, filtered), replayed with the chunk padded to
     its bucket (padding rows on the scratch page): the target forward, the drafter's context injection and
-    the first token of each completed prompt in one replay (`dscale_runtime/prefill.py`). A step prefills at
-    most the largest bucket's tokens; with chunking off (`chunked_prefill_tokens=0`) a larger prefill runs the
-    same step eagerly. False: every prefill runs eagerly."""
+    the first token of each completed prompt in one replay (`dscale_runtime/prefill.py`). A step's prefill
+    runs as replays of at most the largest bucket's tokens each; with chunking off (`chunked_prefill_tokens=0`)
+    a prompt above the largest bucket runs the same step eagerly. False: every prefill runs eagerly."""
     prefill_buckets: tuple[int, ...] | None = None
     """Token counts of the prefill graphs; None: 16, 32, 64, 128, 256, then steps of x1.5 / x1.33 up to
     `chunked_prefill_tokens` (8,192 when chunking is off) and `max_model_len`. Given on a CPU engine, prefills
@@ -122,7 +122,7 @@ class EngineConfig:
     its own prefill time (2.25x at 0.8, 2x at 1.0). The decode step is the device's, or the driving loop's live
     cycle where that is longer (a host-bound server: `Engine.stall_reference_ms`). Needs captured prefill; 0 = no
     such bound (`chunked_prefill_tokens` alone). With nothing decoding the whole `chunked_prefill_tokens` budget
-    is used, at most the largest prefill bucket's tokens where prefills are padded to buckets (captured)."""
+    is used (in prefills of at most the largest bucket's tokens each, captured on CUDA)."""
     admission_group: int = 0
     """While requests decode, admit waiting requests in groups of up to this many: with at least this many
     waiting and fewer slots free, admission waits (at most 4 steps) until the group fits, so one prefill serves

@@ -533,16 +533,12 @@ class Engine:
     def _prefill_chunks(self) -> list[Request]:
         """Prefill the running requests that still need it, in admission order, at most
         `chunked_prefill_tokens` tokens in all per step (a request's chunk goes on from its computed tokens:
-        a cached prefix, earlier chunks)."""
+        a cached prefix, earlier chunks), in prefills of at most the largest bucket's tokens (`_prefill_groups`)."""
         waiting = [r for r in self.scheduler.running if r.prefilling]
         if not waiting:
             return []
         budget = self.config.chunked_prefill_tokens or None
-        if budget is not None and self.prefiller.pad and self.prefiller.buckets:
-            # NOTE: a step's prefill fits the largest bucket: above it the prefill runs eagerly (with max_model_len
-            # below the budget, requests admitted together exceeded it: the demo pair's target-only engine at c = 8
-            # ran 31 eager prefills above 1,024 tokens in a run on an H100); the rest waits a cycle for its own
-            budget = min(budget, self.prefiller.buckets[-1])
+        largest = self.prefiller.buckets[-1] if self.prefiller.pad and self.prefiller.buckets else None
         decoding = len(self.scheduler.running) - len(waiting)
         if budget is not None and decoding and self.decode_ms and self.config.prefill_stall_ratio > 0:
             # NOTE: beside decoding, a chunk lasts at most stall_ratio x the decode step (measured at start-up)
@@ -551,7 +547,9 @@ class Engine:
         batch = []
         for request in waiting:
             remaining = len(request.prefill_token_ids) - request.num_computed
-            request.prefill_chunk = remaining if budget is None else min(remaining, budget)
+            # NOTE: with chunking, one request's chunk fits the largest bucket (the default buckets reach the budget
+            # or max_model_len, so only given buckets cut it)
+            request.prefill_chunk = remaining if budget is None else min(remaining, budget, largest or budget)
             batch.append(request)
             if budget is not None:
                 budget -= request.prefill_chunk
@@ -561,7 +559,28 @@ class Engine:
             return []
         if self._cycle is not None:
             self._cycle[1] |= 1
-        return self._isolated(self._prefill, batch)
+        finished = []
+        for group in self._prefill_groups(batch, largest):
+            finished += self._isolated(self._prefill, group)
+        return finished
+
+    @staticmethod
+    def _prefill_groups(batch: list[Request], largest: int | None) -> list[list[Request]]:
+        """The step's prefill batch as consecutive groups of at most `largest` chunk tokens each (one group without
+        buckets): each group is one prefill in a bucket, captured on CUDA, where the whole batch above the largest
+        bucket would run eagerly. (With max_model_len below the budget, requests admitted together exceeded it: the
+        demo pair's target-only engine at c = 8, whose requests all finish on one step, ran 31 eager prefills of more
+        than 1,024 tokens in a run on an H100.) A chunk above `largest` (chunking off) is a group of its own."""
+        if largest is None:
+            return [batch]
+        groups, tokens = [[]], 0
+        for request in batch:
+            if groups[-1] and tokens + request.prefill_chunk > largest:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(request)
+            tokens += request.prefill_chunk
+        return groups
 
     def _overlapping(self) -> bool:
         """Whether commits may run a step behind: the overlap schedule is on and no step observer waits for

@@ -68,9 +68,9 @@ def plain(pair):  # noqa: F811
 @pytest.mark.parametrize("mode,chunk", [("target", 0), ("dflash", 24), ("dflash", 0), ("target", 200)])
 def test_padded_bucket_prefill_decodes_target_only_tokens(pair, plain, mode, chunk):  # noqa: F811
     """Prefills padded to 16 / 48-token buckets (what the graphs replay), mixed greedy and seeded top-1 sampling
-    (target-only's own draws), with prefix caching: target-only's tokens. With chunking on, a step prefills at
-    most the largest bucket (a 200-token budget: 48), so nothing runs eagerly; with it off, prompts above 48
-    tokens prefill whole, eagerly."""
+    (target-only's own draws), with prefix caching: target-only's tokens. A step's prefill runs in groups of at most
+    the largest bucket's tokens: with a 200-token budget, several 48-token prefills in one step and none eager; with
+    chunking off, a whole prompt above 48 tokens prefills eagerly."""
     prompts, params, want = plain
     engine = make_engine(pair, mode, max_running_requests=4, prefill_buckets=(16, 48), chunked_prefill_tokens=chunk,
                          sampling_rule="top1")
@@ -83,11 +83,23 @@ def test_padded_bucket_prefill_decodes_target_only_tokens(pair, plain, mode, chu
         return step
 
     engine.prefiller.get = spy
+    steps, runs, real_step, real_run = [0], [], engine.step, engine.prefiller.run
+
+    def counted_step():
+        steps[0] += 1
+        return real_step()
+
+    def counted_run(chunks):
+        runs.append((steps[0], sum(len(c.tokens) for c in chunks)))
+        return real_run(chunks)
+
+    engine.step, engine.prefiller.run = counted_step, counted_run
     assert_same(engine.generate(prompts, params), want)
     assert engine.prefiller.pad and engine.prefiller.buckets == [16, 48]
     assert (engine.prefiller.eager_calls > 0) == (chunk == 0)  # whole 70+ token prompts run above the buckets
     if chunk > 48:  # the budget alone would have prefilled several prompts together, above 48 tokens, eagerly
-        assert max(tokens for tokens, *_ in engine.prefiller.steps) == 48
+        per_step = [sum(t for s, t in runs if s == step) for step in {s for s, _ in runs}]
+        assert max(t for _, t in runs) <= 48 < max(per_step) <= chunk, (runs, per_step)
     # One request's chunk runs the bucket's one-request variant (one slot), several requests the full bucket
     assert {solo for solo, _ in ran} == {True, False} and all(slots == (1 if solo else 4) for solo, slots in ran)
     assert engine.prefix_cache_stats["hit_tokens"] > 0
