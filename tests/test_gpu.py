@@ -64,6 +64,7 @@ def test_captured_prefill_equals_eager_prefill_and_nothing_compiles_after_start_
     captures a graph or compiles a kernel. Target-only runs given buckets up to 128 under a 160-token budget: a
     step's prefill above 128 tokens runs as several replays (`Engine._prefill_groups`), never eagerly."""
     from test_engine_dscale import make_predictor
+    from test_prefill import prefill_runs, tokens_per_step
     from dscale_runtime.dvl.features import hidden_projection
     from dscale_runtime.dvl.predictor import pair_identity, predictor_artifact
 
@@ -93,22 +94,11 @@ def test_captured_prefill_equals_eager_prefill_and_nothing_compiles_after_start_
     captured = engine(True)
     graphs = (len(captured.runner.steps), len(captured.prefiller.steps))
     compiled = _compiled_kernels()
-    steps, runs, real_step, real_run = [0], [], captured.step, captured.prefiller.run
-
-    def counted_step():
-        steps[0] += 1
-        return real_step()
-
-    def counted_run(chunks):
-        runs.append((steps[0], sum(len(c.tokens) for c in chunks)))
-        return real_run(chunks)
-
-    captured.step, captured.prefiller.run = counted_step, counted_run
+    runs = prefill_runs(captured)
     got = [o.token_ids for o in captured.generate(prompts, params)]
     assert got == want
     assert captured.prefiller.eager_calls == 0 and captured.prefix_cache_stats["hit_tokens"] > 0
     if mode == "target":  # several replays of at most the largest bucket in one step
-        per_step = [sum(t for s, t in runs if s == step) for step in {s for s, _ in runs}]
-        assert max(t for _, t in runs) <= 128 < max(per_step), (runs, per_step)
+        assert max(t for _, t in runs) <= 128 < max(tokens_per_step(runs)), runs
     assert (len(captured.runner.steps), len(captured.prefiller.steps)) == graphs, "a request captured a graph"
     assert _compiled_kernels() == compiled, "a request compiled a Triton kernel"

@@ -51,6 +51,30 @@ def test_bucket_buffers_index_what_build_metadata_indexes():
     assert torch.equal(buf.last_rows[:n], want.query_starts + want.query_lens - 1)
 
 
+def prefill_runs(engine) -> list[tuple[int, int]]:
+    """From now on, record (engine step number, tokens) of every prefill the engine runs."""
+    steps, runs, real_step, real_run = [0], [], engine.step, engine.prefiller.run
+
+    def counted_step():
+        steps[0] += 1
+        return real_step()
+
+    def counted_run(chunks):
+        runs.append((steps[0], sum(len(c.tokens) for c in chunks)))
+        return real_run(chunks)
+
+    engine.step, engine.prefiller.run = counted_step, counted_run
+    return runs
+
+
+def tokens_per_step(runs: list[tuple[int, int]]) -> list[int]:
+    """Prefilled tokens of each engine step that prefilled (`prefill_runs`)."""
+    totals: dict[int, int] = {}
+    for step, tokens in runs:
+        totals[step] = totals.get(step, 0) + tokens
+    return list(totals.values())
+
+
 @pytest.fixture(scope="module")
 def plain(pair):  # noqa: F811
     rng = random.Random(7)
@@ -83,23 +107,12 @@ def test_padded_bucket_prefill_decodes_target_only_tokens(pair, plain, mode, chu
         return step
 
     engine.prefiller.get = spy
-    steps, runs, real_step, real_run = [0], [], engine.step, engine.prefiller.run
-
-    def counted_step():
-        steps[0] += 1
-        return real_step()
-
-    def counted_run(chunks):
-        runs.append((steps[0], sum(len(c.tokens) for c in chunks)))
-        return real_run(chunks)
-
-    engine.step, engine.prefiller.run = counted_step, counted_run
+    runs = prefill_runs(engine)
     assert_same(engine.generate(prompts, params), want)
     assert engine.prefiller.pad and engine.prefiller.buckets == [16, 48]
     assert (engine.prefiller.eager_calls > 0) == (chunk == 0)  # whole 70+ token prompts run above the buckets
     if chunk > 48:  # the budget alone would have prefilled several prompts together, above 48 tokens, eagerly
-        per_step = [sum(t for s, t in runs if s == step) for step in {s for s, _ in runs}]
-        assert max(t for _, t in runs) <= 48 < max(per_step) <= chunk, (runs, per_step)
+        assert max(t for _, t in runs) <= 48 < max(tokens_per_step(runs)) <= chunk, runs
     # One request's chunk runs the bucket's one-request variant (one slot), several requests the full bucket
     assert {solo for solo, _ in ran} == {True, False} and all(slots == (1 if solo else 4) for solo, slots in ran)
     assert engine.prefix_cache_stats["hit_tokens"] > 0
