@@ -36,10 +36,11 @@ from dscale_runtime.engine import Engine
 
 
 def build(mode: str, concurrency: int, dtype: str, predictor: Path, graphs: bool, overlap: bool = True,
-          prefill_graphs: bool = True, admission_group: int = 0, drafter: str = "drafter") -> Engine:
+          prefill_graphs: bool = True, admission_group: int = 0, drafter: str = "drafter",
+          target_fallback: bool = False) -> Engine:
     config = EngineConfig(mode=mode, max_running_requests=concurrency, device="cuda", dtype=dtype, max_model_len=1024,
                           step_graphs=graphs, overlap_schedule=overlap, prefill_graphs=prefill_graphs,
-                          admission_group=admission_group)
+                          admission_group=admission_group, target_fallback=target_fallback)
     return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / drafter if mode != "target" else None,
                                   predictor if mode == "dscale" else None, config=config)
 
@@ -65,7 +66,11 @@ def build_named(name: str, concurrency: int, args) -> Engine:
     """`--modes` entries: target, dflash, dscale over the DFlash 1 drafter; dflash2, dscale2 over `drafter2/` (the
     DFlash 2 drafter, DScale with `--predictor2`); a `-ref` suffix (`dflash-ref`, ...) builds that engine with the
     step's index work on the torch reference (`KernelChoice.decision='ref'`), a `-k` suffix with its Triton kernels
-    ('triton', the auto rule's choice on CUDA since 2026-12-05), the others as the environment says."""
+    ('triton', the auto rule's choice on CUDA since 2026-12-05), the others as the environment says; a `-fb` suffix
+    (`dflash-fb`, `dscale-fb`) with `EngineConfig.target_fallback` on."""
+    if name.endswith("-fb"):
+        return build(name.removesuffix("-fb"), concurrency, args.dtype, args.predictor, args.step_graphs,
+                     target_fallback=True)
     for suffix, value in (("-k", "triton"), ("-ref", "ref")):
         if name.endswith(suffix):
             with decision_kernels(value):
@@ -109,11 +114,13 @@ def run_points(engines: dict[str, Engine], prompts: list[str], points: list[tupl
             engine.generate(prompts, p)  # warm-up
     rates = {(i, name): [] for i in range(len(points)) for name in engines}
     seconds = {key: [] for key in rates}
-    outputs = {}
+    outputs, steps = {}, {}
     for _ in range(repeats):
         for i, p in enumerate(params):
             for name, engine in engines.items():
+                before = dict(engine.counters.steps_by_mode)
                 elapsed, tokens, outputs[i, name] = timed(engine, prompts, p, min_seconds)
+                steps[i, name] = {m: k - before.get(m, 0) for m, k in engine.counters.steps_by_mode.items()}
                 rates[i, name].append(tokens / elapsed)
                 seconds[i, name].append(elapsed)
     greedy = next((i for i, point in enumerate(points) if point[0] == 0), None)
@@ -131,6 +138,7 @@ def run_points(engines: dict[str, Engine], prompts: list[str], points: list[tupl
                 "spread": round((max(runs) - min(runs)) / statistics.median(runs), 3),
                 "mean_acceptance_length": round(1 + sum(accepted) / len(accepted), 3) if accepted else 1.0,
                 "request_steps": sum(o.stats.num_steps for o in out), "tokens": [o.token_ids for o in out],
+                "decode_steps_last_round": steps[i, name],  # by step mode (the live choice's with `-fb`)
                 "eager_prefills": engine.prefiller.eager_calls,
                 **({"step_policy": engine.step_policy} if engine.config.mode == "dscale" else {}),
             }

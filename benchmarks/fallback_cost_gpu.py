@@ -1,0 +1,126 @@
+"""Where the target fallback's cost goes (issue 25 acceptance 3), on the demo pair with captured steps, in-process.
+
+The served fallback trailed target-only at T = 1, concurrency 1, even while it ran target-only steps (an H100,
+2026-12-05: 3,232 vs 3,720 tok/s), and the default at greedy concurrency 8 by 5-9% while it ran DFlash's step.
+Two parts, each side by side in one process:
+
+1. Replays (CUDA events, median of `--reps`) of one bucket's captured greedy steps: target-only in a target-only
+   engine; target-only in a DScale engine with the fallback (a speculative runner's target step also captures the
+   drafter's layers and writes the drafter's context cache); that step captured without the capture and the writes
+   (timing only: its drafter cache would go stale); DFlash's step.
+2. `engine.generate` rounds (`demo_gpu_e2e.run_points`: paired, each run >= `--min-seconds`) at greedy and T = 1:
+   target-only, DScale, DScale with the fallback, and that engine held to its target-only step (every decode step).
+
+    python benchmarks/fallback_cost_gpu.py --out fallback_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from demo_gpu_e2e import build, run_points  # noqa: E402
+
+from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts  # noqa: E402
+from dscale_runtime.graphs import cuda_times  # noqa: E402
+from dscale_runtime.runner import RULE_GREEDY, BucketStep, StepKind  # noqa: E402
+
+
+def replay_ms(step: BucketStep, context: int, reps: int) -> float:
+    """Median device ms of `reps` replays of a captured step with every row live at `context` tokens (pages on the
+    scratch page), as `StepRunner.measure_policy` times them."""
+    size = step.buf.size
+    step.buf.fill([0] * size, [context] * size, [], [(0, 0, -1, RULE_GREEDY, 1.0, 1.0)] * size,
+                  step.width * size if step.kind.mode != "dscale" else step.num_rows, None)
+    for _ in range(3):
+        step()
+    return round(float(np.median(cuda_times(step, reps))), 4)
+
+
+def replays(sizes: list[int], dtype: str, predictor: Path, reps: int, context: int) -> dict:
+    target = build("target", max(sizes), dtype, predictor, True)
+    fallback = build("dscale", max(sizes), dtype, predictor, True, target_fallback=True)
+    runner = fallback.runner
+    rows = {}
+    for size in sizes:
+        bucket = runner.bucket(size)
+        row = {"target engine, target step": replay_ms(target.runner.get(bucket, StepKind("target")), context, reps),
+               "fallback engine, target step": replay_ms(runner.get(bucket, StepKind("target")), context, reps)}
+        layers, runner.capture_layers = runner.capture_layers, ()
+        try:  # NOTE: timing only; never served (its drafter context would go stale)
+            bare = BucketStep(runner, runner._buffers(bucket), StepKind("target")).build(runner.use_graphs, runner.pool)
+        finally:
+            runner.capture_layers = layers
+        row["fallback engine, target step without drafter writes"] = replay_ms(bare, context, reps)
+        row["fallback engine, dflash step"] = replay_ms(runner.get(bucket, StepKind("dflash")), context, reps)
+        rows[bucket] = row
+        print(f"bucket {bucket:3d}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()), flush=True)
+    del target, fallback
+    torch.cuda.empty_cache()
+    return rows
+
+
+def served(concurrency: list[int], args) -> list[dict]:
+    prompts = [p["prompt"] for p in stdlib_prompts()[: args.prompts]]
+    points = [(0.0, 1.0, -1), (1.0, 1.0, -1)]
+    out = []
+    for c in concurrency:
+        engines = {"target": build("target", c, args.dtype, args.predictor, True),
+                   "dscale": build("dscale", c, args.dtype, args.predictor, True),
+                   "dscale-fb": build("dscale", c, args.dtype, args.predictor, True, target_fallback=True),
+                   "dscale-fb held to target": build("dscale", c, args.dtype, args.predictor, True,
+                                                     target_fallback=True)}
+        engines["dscale-fb held to target"]._mode_for = lambda n, probe=True: "target"
+        for point, by_mode in zip(points, run_points(engines, prompts, points, args.max_tokens, args.repeats,
+                                                     args.min_seconds)):
+            for name, r in by_mode.items():
+                r.pop("tokens")
+                r["mode"] = name
+                out.append(r)
+                print(f"c={c:3d} T={point[0]} {name:26s} {r['tokens_per_s']:9.1f} tok/s runs {r['tokens_per_s_runs']} "
+                      f"vs target (paired) {r.get('vs_target_paired', 1.0):.3f} acc_len {r['mean_acceptance_length']:.3f} "
+                      f"steps {r['decode_steps_last_round']}", flush=True)
+        if "dscale-fb" in engines:
+            fb = engines["dscale-fb"]
+            print(f"c={c:3d} dscale-fb live_step_ms {fb.live_step_ms} host_ms {fb.host_ms}", flush=True)
+        del engines
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32], help="replayed buckets")
+    parser.add_argument("--context", type=int, default=256, help="replayed rows' context length")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--min-seconds", type=float, default=1.5)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--predictor", type=Path, default=DEMO_DIR.parent / "demo.pt")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    result = {"command": "python benchmarks/fallback_cost_gpu.py " + " ".join(sys.argv[1:]),
+              "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "replay_ms": replays(args.sizes, args.dtype, args.predictor, args.reps, args.context),
+              "generate": served(args.concurrency, args)}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print("median of paired vs target:", statistics.median(
+        r.get("vs_target_paired", 1.0) for r in result["generate"]))
+
+
+if __name__ == "__main__":
+    main()
