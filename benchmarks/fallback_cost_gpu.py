@@ -29,11 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo_gpu_e2e import build, run_points  # noqa: E402
+from demo_gpu_e2e import build, run_points
 
-from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts  # noqa: E402
-from dscale_runtime.graphs import cuda_times  # noqa: E402
-from dscale_runtime.runner import RULE_GREEDY, BucketStep, StepKind  # noqa: E402
+from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts
+from dscale_runtime.graphs import cuda_times
+from dscale_runtime.runner import RULE_GREEDY, BucketStep, StepKind
 
 
 def replay_ms(step: BucketStep, context: int, reps: int) -> float:
