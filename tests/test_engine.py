@@ -236,6 +236,26 @@ def test_string_prompts_use_the_target_tokenizer(pair):
     assert by_text.text == engine.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
 
 
+def test_a_batch_of_string_prompts_tokenizes_as_one_prompt_at_a_time():
+    """`generate` tokenizes its strings in one batch call (`Engine._encode_batch`): the ids of
+    `tokenizer.encode(text, add_special_tokens=False)` for each, on the demo pair's Qwen tokenizer (special tokens,
+    code, non-ASCII, whitespace), id prompts left as they are."""
+    from types import SimpleNamespace
+
+    from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts
+    from dscale_runtime.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(DEMO_DIR / "target")
+    texts = [p["prompt"] for p in stdlib_prompts()[:6]] + [
+        "<|im_start|>user\nhi<|im_end|>", "  leading and trailing  ", "naïve café 数据 🙂", "\t\n", "x"]
+    prompts = texts[:3] + [[5, 6, 7]] + texts[3:]
+    encoded = Engine._encode_batch(SimpleNamespace(tokenizer=tokenizer), prompts)
+    assert encoded[3] == [5, 6, 7]
+    assert [list(e) for i, e in enumerate(encoded) if i != 3] == [
+        tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    assert Engine._encode_batch(SimpleNamespace(tokenizer=None), prompts) == prompts  # add_request's error, as before
+
+
 def test_commit_stops_inside_an_accepted_run(pair):
     """Stop rules apply token by token to the accepted drafts + successor: nothing past them is emitted."""
     from dscale_runtime.scheduler import Request
