@@ -13,7 +13,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
 gpu_call "${1:?usage: bash benchmarks/issue24_gpu.sh OUT_DIR}" issue24
 PARTS=${PARTS:-demo_e2e ttft engine_8b}
-part demo_e2e && run demo_e2e 230 python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 \
+part demo_e2e && run demo_e2e 300 python benchmarks/demo_gpu_e2e.py --prompts 64 --max-tokens 128 \
   --concurrency 32 8 --step-graphs --repeats 5 --min-seconds 2 --modes target dflash dscale --no-overlap-too \
   --out "$out/demo_e2e.json"
 part ttft && run ttft 160 python benchmarks/capacity_gpu.py --parts ttft --chunks 8192 "${pool[@]}" \

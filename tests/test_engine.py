@@ -236,6 +236,25 @@ def test_string_prompts_use_the_target_tokenizer(pair):
     assert by_text.text == engine.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
 
 
+def test_generate_decodes_texts_as_step_does(pair):
+    """`generate` decodes its outputs' texts in one batch at the end (`Engine._set_texts`): the texts (cut before a
+    stop string) that `step()` gives the same requests one by one."""
+    engine = make_engine(pair, "target")
+    prompts = ["def f(x):", "import os", "class A:", [3, 4, 5]]
+    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0, max_tokens=12),
+              SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0, max_tokens=12)]
+    batch = engine.generate(prompts, params)
+    params[0] = SamplingParams(temperature=0, max_tokens=12, stop=(batch[0].text[3:5],))  # cut inside the text
+    batch = engine.generate(prompts, params)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    by_step = {}
+    while len(by_step) < len(ids):
+        by_step.update((o.request_id, o) for o in engine.step())
+    assert [o.token_ids for o in batch] == [by_step[i].token_ids for i in ids]
+    assert [o.text for o in batch] == [by_step[i].text for i in ids]
+    assert len(batch[0].text) <= 3 and all(o.text is not None for o in batch)
+
+
 def test_a_batch_of_string_prompts_tokenizes_as_one_prompt_at_a_time():
     """`generate` tokenizes its strings in one batch call (`Engine._encode_batch`): the ids of
     `tokenizer.encode(text, add_special_tokens=False)` for each, on the demo pair's Qwen tokenizer (special tokens,

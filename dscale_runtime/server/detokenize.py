@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from dscale_runtime.models.loader import rust_tokenizer
+
 INCOMPLETE = "\ufffd"
 
 
@@ -21,16 +23,8 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     Rust tokenizer, so the returned function calls the Rust tokenizer directly. The text is the same and each
     call is about 2.5x cheaper. A server pays this twice per request per step on its engine thread. Any other
     tokenizer (a slow one, an overridden decode, clean-up on) keeps the method."""
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:  # NOTE: a tokenizer from elsewhere keeps its own decode
-        PreTrainedTokenizerFast = PreTrainedTokenizerBase = None
-    cls = type(tokenizer)
-    if (PreTrainedTokenizerFast is not None and isinstance(tokenizer, PreTrainedTokenizerFast)
-            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is PreTrainedTokenizerFast._decode
-            and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
-        backend = tokenizer.backend_tokenizer
+    backend = rust_tokenizer(tokenizer)
+    if backend is not None:
         return lambda token_ids: backend.decode(token_ids, skip_special_tokens=True)
     return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=True)
 
