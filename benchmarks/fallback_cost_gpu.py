@@ -9,7 +9,9 @@ Two parts, each side by side in one process:
    drafter's layers and writes the drafter's context cache); that step captured without the capture and the writes
    (timing only: its drafter cache would go stale); DFlash's step.
 2. `engine.generate` rounds (`demo_gpu_e2e.run_points`: paired, each run >= `--min-seconds`) at greedy and T = 1:
-   target-only, DScale, DScale with the fallback, and that engine held to its target-only step (every decode step).
+   target-only, DScale, DScale with the fallback, that engine held to its target-only step (every decode step), and
+   held to its static step (`StepRunner.mode_for`: the fallback's graphs without its live choice), which parts the
+   fallback's cost at greedy concurrency 8 into its graphs and its choice.
 
     python benchmarks/fallback_cost_gpu.py --out fallback_cost.json
 """
@@ -81,6 +83,9 @@ def served(concurrency: list[int], args) -> list[dict]:
                    "dscale-fb held to target": build("dscale", c, args.dtype, args.predictor, True,
                                                      target_fallback=True)}
         engines["dscale-fb held to target"]._mode_for = lambda n, probe=True: "target"
+        static = build("dscale", c, args.dtype, args.predictor, True, target_fallback=True)
+        static._mode_for = lambda n, probe=True, runner=static.runner: runner.mode_for(n)
+        engines["dscale-fb static choice"] = static  # NOTE: its graphs, none of its live choice
         for point, by_mode in zip(points, run_points(engines, prompts, points, args.max_tokens, args.repeats,
                                                      args.min_seconds)):
             for name, r in by_mode.items():
@@ -92,7 +97,8 @@ def served(concurrency: list[int], args) -> list[dict]:
                       f"steps {r['decode_steps_last_round']}", flush=True)
         if "dscale-fb" in engines:
             fb = engines["dscale-fb"]
-            print(f"c={c:3d} dscale-fb live_step_ms {fb.live_step_ms} host_ms {fb.host_ms}", flush=True)
+            print(f"c={c:3d} dscale-fb live_step_ms {fb.live_step_ms} host_ms {fb.host_ms} wall_ms {fb.wall_ms}",
+                  flush=True)
         del engines
         torch.cuda.empty_cache()
     return out

@@ -7,7 +7,10 @@ target-only step costs `--target-ms` of device time and `--target-host-ms` of ho
 steps read `--probe-device-extra` / `--probe-host-extra` ms more (the H100 trace of 2026-12-06: target-only probes
 between DFlash steps read up to 0.35 / 0.52 ms against 0.26 / 0.28 in runs of their own). Each step's sample goes
 through the engine's estimators (`track_cost`, `Engine.observe_acceptance`) as `Engine._commit_step` and
-`Engine._time_cycle` feed them (host work from a run's second cycle on). Prints tokens per ms against target-only
+`Engine._time_cycle` feed them (host work and the cycle's wall time from a run's second cycle on). A cycle's wall time
+is max(device, host) plus `--dflash-gap-ms` / `--target-gap-ms` (what neither estimate sees: on an H100 at T = 1 the
+demo pair's DFlash steps cost the loop ~0.64 ms a step against a device floor of 0.49 and host work of 0.28;
+`--no-wall` leaves `Engine.wall_ms` unfed, the choice before 2026-12-06's second session). Prints tokens per ms against target-only
 steps throughout, with the cost estimators' weights as built and, for comparison, symmetric at 0.1 (the
 estimator before 2026-12-06). A model, not a measurement: its numbers say which way a change moves the choice.
 
@@ -35,6 +38,9 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
     engine.runner, engine.step_observers, engine._probe_run, engine._live_steps, engine._last_run = \
         runner, [], None, 0, {}
     engine.live_acceptance, engine.live_step_ms, engine.host_ms, engine.time_live_steps = {}, {}, {}, True
+    engine.wall_ms = {}
+    wall_fed = getattr(args, "wall", True)
+    gaps = {"dflash": getattr(args, "dflash_gap_ms", 0.0), "target": getattr(args, "target_gap_ms", 0.0)}
     time_ms = tokens = 0.0
     steps = {"dflash": 0, "target": 0}
     run, previous = 0, None
@@ -53,15 +59,18 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
                     accepted += 1
                 device, host, got = args.dflash_ms, args.dflash_host_ms, 1 + accepted
                 engine.observe_acceptance("dflash", [accepted])
-            time_ms += max(device, host)
+            wall = max(device, host) + gaps[mode]
+            time_ms += wall
             track_cost(engine.live_step_ms, (1, mode), device + (args.probe_device_extra if probed else 0.0))
             if run >= 2:  # NOTE: a run's first cycle commits the step before it (`Engine._time_cycle`)
                 track_cost(engine.host_ms, (1, mode), host + (args.probe_host_extra if probed else 0.0))
+                if wall_fed:
+                    track_cost(engine.wall_ms, (1, mode), wall + (args.probe_host_extra if probed else 0.0))
             got = min(got, left)
             left -= got
             tokens += got
             previous = mode
-    target_rate = 1.0 / max(args.target_ms, args.target_host_ms)
+    target_rate = 1.0 / (max(args.target_ms, args.target_host_ms) + gaps["target"])
     return {"tokens_per_ms": tokens / time_ms, "x_target": tokens / time_ms / target_rate, "steps": steps}
 
 
@@ -74,6 +83,10 @@ def main() -> None:
     parser.add_argument("--target-host-ms", type=float, default=0.28)
     parser.add_argument("--dflash-ms", type=float, default=0.63)
     parser.add_argument("--dflash-host-ms", type=float, default=0.31)
+    parser.add_argument("--dflash-gap-ms", type=float, default=0.0)
+    parser.add_argument("--target-gap-ms", type=float, default=0.0)
+    parser.add_argument("--no-wall", dest="wall", action="store_false",
+                        help="leave Engine.wall_ms unfed (the live choice on device time and host work alone)")
     parser.add_argument("--probe-steps", type=int, default=3)
     parser.add_argument("--probe-device-extra", type=float, default=0.08)
     parser.add_argument("--probe-host-extra", type=float, default=0.2)

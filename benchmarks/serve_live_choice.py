@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-WATCHED = ("dscale_live_accept_length", "dscale_live_step_ms", "dscale_live_host_ms", "dscale_decode_steps_by_step",
+WATCHED = ("dscale_live_accept_length", "dscale_live_step_ms", "dscale_live_host_ms", "dscale_live_wall_ms", "dscale_decode_steps_by_step",
            "dscale_step_policy")
 
 

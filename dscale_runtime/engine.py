@@ -219,8 +219,16 @@ class Engine:
         the overlap schedule a step costs the loop about max(device time, host time), so the live choice compares
         that (`step_costs`): in a host-bound loop (a server streaming every token) speculation's extra device time
         hides behind the host's."""
+        self.wall_ms: dict[tuple[int, str], float] = {}
+        """(bucket, step mode) -> the wall time (ms) of an engine cycle that launched such a step, a running estimate
+        of its floor (`track_cost`), from the cycles `host_ms` reads: what a step of that mode costs the loop in its
+        own runs, device time, host work and the gaps between them together (the live choice's cost is at least
+        this, `step_costs`). On an H100 at T = 1, concurrency 1, the demo pair's DFlash steps cost the loop ~0.64 ms
+        a step while their device time's floor read 0.49 ms and their host work 0.28 ms, so the choice kept DFlash at
+        0.75x target-only's rate there (2026-12-06)."""
         self.time_host = self.time_live_steps and self.device.type == "cuda"
-        """Whether cycles update `host_ms` (captured CUDA steps, whose device times are measured apart)."""
+        """Whether cycles update `host_ms` and `wall_ms` (captured CUDA steps, whose device times are measured
+        apart)."""
         self._live_steps = 0
         self._probe_run: tuple[str, int] | None = None
         """The probed step and how many more steps in a row it runs (PROBE_RUN in all)."""
@@ -520,7 +528,9 @@ class Engine:
         # first decode cycle of every request held them, and a mode's estimate could start from one such sample)
         if (last is not None and not last[1] and last[3] is not None and self.time_host
                 and last[4] <= {last[3][1]}):
-            track_cost(self.host_ms, last[3], max(0.0, (now - last[0]) * 1e3 - last[2]))  # key (bucket, mode)
+            wall = (now - last[0]) * 1e3
+            track_cost(self.host_ms, last[3], max(0.0, wall - last[2]))  # key (bucket, mode)
+            track_cost(self.wall_ms, last[3], wall)
         self._cycle = [now, (last[1] << 1) & 0b110 if last is not None else 0b110, 0.0, None, set()]
 
     def _waited(self, ms: float) -> None:
@@ -805,25 +815,29 @@ class Engine:
         (`live_step_ms`) once it has run there, else its start-up time (`StepRunner.policy_ms`) scaled by the
         live / start-up ratio of the modes that have run in the bucket (1 before any has), so that start-up
         and live times compare on one scale; at least the host's own work per cycle of that mode (`host_ms`),
-        which the overlap schedule cannot hide (target-only's at most the speculative modes' least)."""
+        which the overlap schedule cannot hide, and the wall time of such a cycle (`wall_ms`: device, host and
+        the gaps between them), target-only's host work and wall time each at most the speculative modes' least."""
         # NOTE: plain floats, not numpy: this runs before every decode step, whose host cycle at concurrency 1 is
         # ~0.3 ms on the demo pair (np.mean made `_mode_for` ~15 us on a 2-core CPU, ~5.5 us without)
-        start, step_ms, host_ms = self.runner.policy_ms[bucket], self.live_step_ms, self.host_ms
+        start, step_ms = self.runner.policy_ms[bucket], self.live_step_ms
         live = {m: step_ms[bucket, m] for m in modes if (bucket, m) in step_ms}
         scale = sum(live[m] / start[m] for m in live) / len(live) if live else 1.0
-        device = {m: live[m] if m in live else start[m] * scale for m in modes}
-        host = {m: host_ms[bucket, m] for m in modes if (bucket, m) in host_ms}
-        if not host:
-            return device
-        speculative = [host[m] for m in host if m != "target"]
-        if "target" in host and speculative:
-            # NOTE: a target-only cycle's host work is a part of a speculative one's (one token per request to commit
-            # and stream, no drafts): at most the speculative modes' least. Its samples come mostly from probes
-            # between speculative steps, which read high (0.40-0.52 ms against 0.28 in its own runs on an H100, T = 1,
-            # concurrency 1); an estimate that started from them would keep a bucket speculating at any acceptance
-            host["target"] = min(host["target"], min(speculative))
-        fallback = sum(host.values()) / len(host)  # NOTE: a mode not measured yet: the measured ones' mean
-        return {m: max(device[m], host.get(m, fallback)) for m in modes}
+        cost = {m: live[m] if m in live else start[m] * scale for m in modes}
+        for measured in (self.host_ms, self.wall_ms):
+            floor = {m: measured[bucket, m] for m in modes if (bucket, m) in measured}
+            if not floor:
+                continue
+            speculative = [floor[m] for m in floor if m != "target"]
+            if "target" in floor and speculative:
+                # NOTE: a target-only cycle does a part of a speculative one's work (one token per request to commit
+                # and stream, no drafts, a shorter step): at most the speculative modes' least. Its samples come
+                # mostly from probes between speculative steps, which read high (host work 0.40-0.52 ms against 0.28
+                # in its own runs on an H100, T = 1, concurrency 1); an estimate that started from them would keep a
+                # bucket speculating at any acceptance
+                floor["target"] = min(floor["target"], min(speculative))
+            fallback = sum(floor.values()) / len(floor)  # NOTE: a mode not measured yet: the measured ones' mean
+            cost = {m: max(cost[m], floor.get(m, fallback)) for m in modes}
+        return cost
 
     def _decode(self, requests: list[Request]) -> list[Request]:
         """Launch one decode step of the running batch through the runner; its host commit is queued

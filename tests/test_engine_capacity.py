@@ -230,6 +230,28 @@ def test_step_costs_scale_start_up_times_of_steps_not_run_live(pair):  # noqa: F
     assert engine.step_costs(bucket, ["dflash", "target"]) == pytest.approx({"dflash": 5.0, "target": 5.0})
 
 
+def test_a_steps_cost_is_at_least_the_wall_time_of_its_cycles(pair):  # noqa: F811
+    """`Engine.wall_ms`: a step costs the loop its cycle's wall time (device, host and the gaps between them), which
+    can exceed both other estimates. Numbers from an H100 (demo pair, T = 1, the tail buckets of a concurrency-8 run,
+    2026-12-06): DFlash's device floor 0.493 ms and host work 0.281 ms, target-only's 0.276 / 0.295 ms, 0.81 accepted
+    drafts a step: by those DFlash looks faster (1.81 / 0.493 = 3.67 tokens per ms against 1 / 0.281 = 3.56), while
+    its steps cost the loop ~0.64 ms (2.8 tokens per ms) and target-only's ~0.28 (3.6)."""
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    bucket = engine.runner.bucket(1)
+    engine.live_acceptance["dflash"] = 0.81
+    engine.live_step_ms[bucket, "dflash"], engine.live_step_ms[bucket, "target"] = 0.493, 0.276
+    engine.host_ms[bucket, "dflash"], engine.host_ms[bucket, "target"] = 0.281, 0.295
+    assert engine._mode_for(1, probe=False) == "dflash"
+    engine.wall_ms[bucket, "dflash"] = 0.64  # target-only's not measured yet: the measured ones' mean
+    assert engine.step_costs(bucket, ["dflash", "target"]) == pytest.approx({"dflash": 0.64, "target": 0.64})
+    engine.wall_ms[bucket, "target"] = 0.28
+    assert engine.step_costs(bucket, ["dflash", "target"]) == pytest.approx({"dflash": 0.64, "target": 0.281})
+    assert engine._mode_for(1, probe=False) == "target"
+    # target-only's wall time, read high between speculative steps, counts at most the speculative modes' least
+    engine.wall_ms[bucket, "target"] = 0.9
+    assert engine.step_costs(bucket, ["dflash", "target"])["target"] == pytest.approx(0.64)
+
+
 def test_host_work_per_cycle_is_measured_per_bucket_and_mode(pair):  # noqa: F811
     """`Engine.host_ms`: each cycle's wall time less its waits for the device, keyed by the (bucket, mode) of the
     step it launched; cycles that wait on nothing (the CPU) count their whole wall time."""
@@ -241,8 +263,9 @@ def test_host_work_per_cycle_is_measured_per_bucket_and_mode(pair):  # noqa: F81
     while engine.has_unfinished():
         engine.step()
         time.sleep(0.02)
-    assert set(engine.host_ms) == {(engine.runner.bucket(1), "dflash")}
+    assert set(engine.host_ms) == set(engine.wall_ms) == {(engine.runner.bucket(1), "dflash")}
     assert engine.host_ms[engine.runner.bucket(1), "dflash"] >= 20
+    assert engine.wall_ms[engine.runner.bucket(1), "dflash"] >= engine.host_ms[engine.runner.bucket(1), "dflash"]
 
 
 def test_host_work_counts_only_in_cycles_that_committed_their_own_mode(pair):  # noqa: F811
@@ -260,7 +283,7 @@ def test_host_work_counts_only_in_cycles_that_committed_their_own_mode(pair):  #
         engine.host_ms.clear()
         engine._cycle = [time.perf_counter() - 0.004, 0, 0.0, (bucket, "target"), committed]
         engine._time_cycle()
-        assert ((bucket, "target") in engine.host_ms) == sampled, committed
+        assert ((bucket, "target") in engine.host_ms) == ((bucket, "target") in engine.wall_ms) == sampled, committed
     # a cycle that prefilled, or one of the two after (a run's first two count so), holds no decode step's host work
     for bits in (0b001, 0b010, 0b100, 0b110):
         engine.host_ms.clear()
@@ -509,3 +532,10 @@ def test_live_choice_model_runs_the_engines_choice():
     assert floor["x_target"] > 0.97 and floor["x_target"] >= symmetric["x_target"] - 0.005, (floor, symmetric)
     greedy = sim.simulate(argparse.Namespace(alpha=[0.6, 0.85], **base))
     assert greedy["x_target"] > 1.4 and greedy["steps"]["target"] < 0.01 * greedy["steps"]["dflash"], greedy
+    # DFlash steps that cost the loop more than their device time and host work show (the H100 tail buckets of
+    # 2026-12-06): with their cycles' wall time (`Engine.wall_ms`) the choice serves closer to target-only's rate
+    tail = dict(base, target_ms=0.276, target_host_ms=0.295, dflash_ms=0.493, dflash_host_ms=0.281, dflash_gap_ms=0.15)
+    walled = sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], **tail))
+    unwalled = sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], wall=False, **tail))
+    assert walled["x_target"] > 0.985 and walled["x_target"] > unwalled["x_target"] + 0.005, (walled, unwalled)
+    assert sim.simulate(argparse.Namespace(alpha=[0.6, 0.85], **tail))["x_target"] > 1.4  # greedy keeps DFlash

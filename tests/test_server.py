@@ -358,7 +358,12 @@ def test_serve_live_choice_reads_the_live_choice_off_metrics(demo_server):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     client(demo_server).completions.create(model="target", prompt="def add(a, b):", max_tokens=16, temperature=0)
-    text = httpx.get(demo_server.url + "/metrics").text
+    wall = demo_server.state.engine.wall_ms  # NOTE: measured with captured CUDA steps only: one entry as they set it
+    wall[1, "dflash"] = 0.64
+    try:
+        text = httpx.get(demo_server.url + "/metrics").text
+    finally:
+        del wall[1, "dflash"]
     expected = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -371,6 +376,7 @@ def test_serve_live_choice_reads_the_live_choice_off_metrics(demo_server):
     assert {k for k in got if k.startswith("dscale_step_policy{")} == {
         f'dscale_step_policy{{bucket="{b}",step="dscale"}}' for b in (1, 2, 4, 8)}
     assert any(k.startswith("dscale_decode_steps_by_step") for k in got)
+    assert got['dscale_live_wall_ms{bucket="1",step="dflash"}'] == 0.64
 
 
 def test_detokenizer_never_splits_a_character_and_holds_back_stop_prefixes(demo_reference):

@@ -109,6 +109,7 @@ def engine_facts(engine, worker: EngineWorker) -> dict:
         "live_acceptance": dict(getattr(engine, "live_acceptance", {})),
         "live_step_ms": dict(getattr(engine, "live_step_ms", {})),
         "host_ms": dict(getattr(engine, "host_ms", {})),
+        "wall_ms": dict(getattr(engine, "wall_ms", {})),
         "cycle_ms": getattr(engine, "cycle_ms", None),
         "calibration": calibration.report() if calibration is not None else None,
         "prefix_cache_stats": dict(getattr(engine, "prefix_cache_stats", {})),
@@ -178,7 +179,7 @@ class EngineProxy:
         self.last_step = None
         self.num_running = self.num_waiting = 0
         self.counters = EngineCounters()
-        self.live_acceptance, self.live_step_ms, self.host_ms, self.cycle_ms = {}, {}, {}, None
+        self.live_acceptance, self.live_step_ms, self.host_ms, self.wall_ms, self.cycle_ms = {}, {}, {}, {}, None
         self.calibration = None
         self.prefix_cache_stats, self.step_policy = {}, {}
         self.stats = WorkerStats()
@@ -188,7 +189,7 @@ class EngineProxy:
         self.allocator.num_free = facts["num_free"]
         self.counters, self.stats = facts["counters"], facts["stats"]
         self.live_acceptance, self.live_step_ms = facts["live_acceptance"], facts["live_step_ms"]
-        self.host_ms, self.cycle_ms = facts["host_ms"], facts["cycle_ms"]
+        self.host_ms, self.wall_ms, self.cycle_ms = facts["host_ms"], facts["wall_ms"], facts["cycle_ms"]
         report = facts["calibration"]
         self.calibration = SimpleNamespace(report=lambda: report) if report is not None else None
         self.prefix_cache_stats, self.step_policy = facts["prefix_cache_stats"], facts["step_policy"]

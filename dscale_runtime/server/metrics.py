@@ -173,6 +173,13 @@ class _ScrapeCollector:
         for (bucket, mode), ms in sorted(getattr(engine, "host_ms", {}).items()):
             host_ms.add_metric([model, str(bucket), mode], ms)
         yield host_ms
+        wall_ms = GaugeMetricFamily("dscale_live_wall_ms", "The wall time (ms), a running floor, of an engine cycle that "
+                                    "launched a bucket's step of this mode, in that mode's own runs (device, host and "
+                                    "the gaps between them); a step costs the live choice at least this.",
+                                    labels=["model_name", "bucket", "step"])
+        for (bucket, mode), ms in sorted(getattr(engine, "wall_ms", {}).items()):
+            wall_ms.add_metric([model, str(bucket), mode], ms)
+        yield wall_ms
         cycle = getattr(engine, "cycle_ms", None)
         if cycle is not None:
             yield gauge("dscale_engine_cycle_ms", "Running mean of the wall time between engine steps while requests "
