@@ -11,7 +11,8 @@ Two parts, each side by side in one process:
 2. `engine.generate` rounds (`demo_gpu_e2e.run_points`: paired, each run >= `--min-seconds`) at greedy and T = 1:
    target-only, DScale, DScale with the fallback, that engine held to its target-only step (every decode step), and
    held to its static step (`StepRunner.mode_for`: the fallback's graphs without its live choice), which parts the
-   fallback's cost at greedy concurrency 8 into its graphs and its choice.
+   fallback's cost at greedy concurrency 8 into its graphs and its choice, and one whose choice ignores the cycles'
+   wall time (`Engine.wall_ms` unfed: the choice before it).
 
     python benchmarks/fallback_cost_gpu.py --out fallback_cost.json
 """
@@ -36,6 +37,14 @@ from demo_gpu_e2e import build, run_points
 from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts
 from dscale_runtime.graphs import cuda_times
 from dscale_runtime.runner import RULE_GREEDY, BucketStep, StepKind
+
+
+class Unfed(dict):
+    """A cost table that keeps nothing written to it: an engine whose `wall_ms` is one chooses its steps on their
+    device time and host work alone (the live choice before `Engine.wall_ms`), for a paired run on one host."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
 
 
 def replay_ms(step: BucketStep, context: int, reps: int) -> float:
@@ -86,6 +95,9 @@ def served(concurrency: list[int], args) -> list[dict]:
         static = build("dscale", c, args.dtype, args.predictor, True, target_fallback=True)
         static._mode_for = lambda n, probe=True, runner=static.runner: runner.mode_for(n)
         engines["dscale-fb static choice"] = static  # NOTE: its graphs, none of its live choice
+        unwalled = build("dscale", c, args.dtype, args.predictor, True, target_fallback=True)
+        unwalled.wall_ms = Unfed()
+        engines["dscale-fb without wall_ms"] = unwalled  # NOTE: the choice on device time and host work alone
         for point, by_mode in zip(points, run_points(engines, prompts, points, args.max_tokens, args.repeats,
                                                      args.min_seconds)):
             for name, r in by_mode.items():
