@@ -223,9 +223,9 @@ class Engine:
         """(bucket, step mode) -> the wall time (ms) of an engine cycle that launched such a step, a running estimate
         of its floor (`track_cost`), from the cycles `host_ms` reads: what a step of that mode costs the loop in its
         own runs, device time, host work and the gaps between them together (the live choice's cost is at least
-        this, `step_costs`). On an H100 at T = 1, concurrency 1, the demo pair's DFlash steps cost the loop ~0.64 ms
-        a step while their device time's floor read 0.49 ms and their host work 0.28 ms, so the choice kept DFlash at
-        0.75x target-only's rate there (2026-12-06)."""
+        this, `step_costs`). On an H100 at T = 1, in the tail buckets of a concurrency-8 demo-pair run, DFlash's
+        device floor read 0.49 ms and its host work 0.28 ms while its steps cost the loop ~0.64 ms, and the choice
+        ran DFlash in a third of its steps where target-only steps served ~1.3x its rate (2026-12-06)."""
         self.time_host = self.time_live_steps and self.device.type == "cuda"
         """Whether cycles update `host_ms` and `wall_ms` (captured CUDA steps, whose device times are measured
         apart)."""
