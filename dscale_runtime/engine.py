@@ -35,14 +35,14 @@ from dscale_runtime.memory import RESERVE_FACTOR, kv_bytes_per_token, pool_token
 from dscale_runtime.prefill import PrefillChunk, PrefillRunner, default_prefill_buckets
 from dscale_runtime.prefix_cache import PrefixCachingAllocator
 from dscale_runtime.models.dflash import DFlashDraftModel
-from dscale_runtime.models.loader import (load_drafter, load_target, load_tokenizer, read_eos_ids, resolve_dtype,
-                                          rust_tokenizer)
+from dscale_runtime.models.loader import load_drafter, load_target, load_tokenizer, read_eos_ids, resolve_dtype
 from dscale_runtime.models.qwen3 import Qwen3ForCausalLM
 from dscale_runtime.runner import RULE_GREEDY, RULE_SAMPLED, RULE_TOP1, AsyncRead, StepKind, StepResult, StepRunner, \
     agreed_values
 from dscale_runtime.sampling import split_seed
 from dscale_runtime.scheduler import Request, Scheduler, Status
 from dscale_runtime.stats import EngineCounters, StepStats, StepTrace, retained_drafts
+from dscale_runtime.tokenizer_backend import rust_tokenizer
 
 log = logging.getLogger("dscale.engine")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from dscale_runtime.models.loader import rust_tokenizer
+from dscale_runtime.tokenizer_backend import rust_tokenizer
 
 INCOMPLETE = "\ufffd"
 
