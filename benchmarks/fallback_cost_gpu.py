@@ -26,7 +26,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from demo_gpu_e2e import build, run_points
 
 from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts
-from dscale_runtime.graphs import cuda_times
-from dscale_runtime.runner import RULE_GREEDY, BucketStep, StepKind
+from dscale_runtime.runner import BucketStep, StepKind
 
 
 class Unfed(dict):
@@ -47,15 +45,8 @@ class Unfed(dict):
         pass
 
 
-def replay_ms(step: BucketStep, context: int, reps: int) -> float:
-    """Median device ms of `reps` replays of a captured step with every row live at `context` tokens (pages on the
-    scratch page), as `StepRunner.measure_policy` times them."""
-    size = step.buf.size
-    step.buf.fill([0] * size, [context] * size, [], [(0, 0, -1, RULE_GREEDY, 1.0, 1.0)] * size,
-                  step.width * size if step.kind.mode != "dscale" else step.num_rows, None)
-    for _ in range(3):
-        step()
-    return round(float(np.median(cuda_times(step, reps))), 4)
+def timed(step: BucketStep, context: int, reps: int) -> float:
+    return round(step.timed_ms(context, reps, warmup=3), 4)
 
 
 def replays(sizes: list[int], dtype: str, predictor: Path, reps: int, context: int) -> dict:
@@ -65,15 +56,15 @@ def replays(sizes: list[int], dtype: str, predictor: Path, reps: int, context: i
     rows = {}
     for size in sizes:
         bucket = runner.bucket(size)
-        row = {"target engine, target step": replay_ms(target.runner.get(bucket, StepKind("target")), context, reps),
-               "fallback engine, target step": replay_ms(runner.get(bucket, StepKind("target")), context, reps)}
+        row = {"target engine, target step": timed(target.runner.get(bucket, StepKind("target")), context, reps),
+               "fallback engine, target step": timed(runner.get(bucket, StepKind("target")), context, reps)}
         layers, runner.capture_layers = runner.capture_layers, ()
         try:  # NOTE: timing only; never served (its drafter context would go stale)
             bare = BucketStep(runner, runner._buffers(bucket), StepKind("target")).build(runner.use_graphs, runner.pool)
         finally:
             runner.capture_layers = layers
-        row["fallback engine, target step without drafter writes"] = replay_ms(bare, context, reps)
-        row["fallback engine, dflash step"] = replay_ms(runner.get(bucket, StepKind("dflash")), context, reps)
+        row["fallback engine, target step without drafter writes"] = timed(bare, context, reps)
+        row["fallback engine, dflash step"] = timed(runner.get(bucket, StepKind("dflash")), context, reps)
         rows[bucket] = row
         print(f"bucket {bucket:3d}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()), flush=True)
     del target, fallback

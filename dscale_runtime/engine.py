@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from dscale_runtime.attention import build_metadata, host_to_device
-from dscale_runtime.graphs import cuda_times
 from dscale_runtime.config import EngineConfig, RequestOutput, SamplingParams
 from dscale_runtime.dvl.calibration import LiveCalibration
 from dscale_runtime.dvl.features import FeatureSpec, context_features, drafter_feature_spec
@@ -303,13 +302,7 @@ class Engine:
             if mode in known:
                 times[size] = known[mode]
                 continue
-            step = runner.get(size, StepKind(mode))
-            w = step.width
-            context = max(1, min(runner.policy_context, runner.max_pages * runner.page_size - 2 * runner.block_size))
-            rows = step.num_rows if mode == "dscale" else w * size
-            step.buf.fill([0] * size, [context] * size, [], [(0, 0, -1, RULE_GREEDY, 1.0, 1.0)] * size, rows, None)
-            step()
-            times[size] = float(np.median(cuda_times(step, reps)))
+            times[size] = runner.get(size, StepKind(mode)).timed_ms(runner.timing_context, reps, warmup=1)
         return times
 
 

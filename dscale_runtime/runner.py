@@ -548,6 +548,17 @@ class BucketStep:
         self.features = decision.features if self.kind.features else None
         return result
 
+    def timed_ms(self, context: int, reps: int, warmup: int = 2) -> float:
+        """The median device time (ms, CUDA events) of `reps` replays after `warmup` more, every row a live greedy
+        request at `context` tokens with all its pages on the scratch page: the start-up timings' setting
+        (`StepRunner.measure_policy`, `Engine._time_decode_steps`)."""
+        size = self.buf.size
+        self.buf.fill([0] * size, [context] * size, [], [(0, 0, -1, RULE_GREEDY, 1.0, 1.0)] * size, self.num_rows,
+                      None)
+        for _ in range(warmup):
+            self()
+        return float(np.median(cuda_times(self, reps)))
+
     def build(self, use_graph: bool, pool=None) -> "BucketStep":
         """Capture the step (on CUDA) or prepare eager runs. Capture runs the step a few times: on padding rows
         only (the scratch page, the dummy slot), so that a step built while requests run never advances
@@ -767,22 +778,20 @@ class StepRunner:
             return ["dflash", "dscale"] + (["target"] if self.target_fallback else [])
         return [self.mode_for(size), "target"] if self.target_fallback else []
 
+    @property
+    def timing_context(self) -> int:
+        """The context length of the start-up step timings' rows: `policy_context`, within the pages a row has."""
+        return max(1, min(self.policy_context, self.max_pages * self.page_size - 2 * self.block_size))
+
     def measure_policy(self, reps: int = 7) -> None:
         """Replay each bucket's captured greedy steps (`_timed_modes`) with every request live at
         `policy_context` tokens (all pages on the scratch page), the median of `reps` timed replays each
         (`policy_ms`). DScale's measured policy keeps the decision only in buckets where its step is faster."""
         assert self.use_graphs
-        w = self.block_size
-        context = max(1, min(self.policy_context, self.max_pages * self.page_size - 2 * w))
         for size in self.buckets:
             times = {}
             for mode in self._timed_modes(size):
-                step = self.get(size, StepKind(mode))
-                rows = budget_rows(size, w, self.budget_ratio) if mode == "dscale" else step.width * size
-                step.buf.fill([0] * size, [context] * size, [], [(0, 0, -1, RULE_GREEDY, 1.0, 1.0)] * size, rows, None)
-                for _ in range(2):
-                    step()
-                times[mode] = float(np.median(cuda_times(step, reps)))
+                times[mode] = self.get(size, StepKind(mode)).timed_ms(self.timing_context, reps)
             if not times:
                 continue
             times = _agreed(times, self.device)

@@ -169,12 +169,13 @@ def test_the_chunk_budgets_decode_times_are_the_served_steps(pair, monkeypatch):
     """`Engine._time_decode_steps` (CUDA engines, at start-up): a bucket's time from the measured policy is reused
     only while the policy's graphs are the served ones; after the policy dropped them (a DScale engine on DFlash
     steps only) the served step is timed, as in a DFlash engine. Here the CUDA timer is replaced by fixed samples."""
-    import dscale_runtime.engine as engine_module
+    import dscale_runtime.runner as runner_module
 
     engine = make_engine(pair, "dflash", max_running_requests=4, sampling_rule="top1")
     runner = engine.runner
     timed = []
-    monkeypatch.setattr(engine_module, "cuda_times", lambda step, reps: timed.append(step) or [3.0, 1.0, 2.0])
+    # NOTE: the timer `BucketStep.timed_ms` reads
+    monkeypatch.setattr(runner_module, "cuda_times", lambda step, reps: timed.append(step) or [3.0, 1.0, 2.0])
     runner.policy_ms = {b: {"dflash": 9.0, "dscale": 8.0} for b in runner.buckets}
     assert runner.policy_steps_served and engine._time_decode_steps() == {b: 9.0 for b in runner.buckets}
     assert not timed

@@ -160,26 +160,21 @@ class _ScrapeCollector:
         for mode, accepted in sorted(getattr(engine, "live_acceptance", {}).items()):
             live.add_metric([model, mode], 1.0 + accepted)
         yield live
-        step_ms = GaugeMetricFamily("dscale_live_step_ms", "A bucket's decode step device time (ms), a running floor, "
-                                    "per step mode while serving (the live choice's costs; captured steps only).",
-                                    labels=["model_name", "bucket", "step"])
-        for (bucket, mode), ms in sorted(getattr(engine, "live_step_ms", {}).items()):
-            step_ms.add_metric([model, str(bucket), mode], ms)
-        yield step_ms
-        host_ms = GaugeMetricFamily("dscale_live_host_ms", "The host's own work (ms), a running floor, per engine "
-                                    "cycle that launched a bucket's step of this mode (the cycle's wall time less its "
-                                    "waits for the device); a step costs the live choice at least this.",
-                                    labels=["model_name", "bucket", "step"])
-        for (bucket, mode), ms in sorted(getattr(engine, "host_ms", {}).items()):
-            host_ms.add_metric([model, str(bucket), mode], ms)
-        yield host_ms
-        wall_ms = GaugeMetricFamily("dscale_live_wall_ms", "The wall time (ms), a running floor, of an engine cycle that "
-                                    "launched a bucket's step of this mode, in that mode's own runs (device, host and "
-                                    "the gaps between them); a step costs the live choice at least this.",
-                                    labels=["model_name", "bucket", "step"])
-        for (bucket, mode), ms in sorted(getattr(engine, "wall_ms", {}).items()):
-            wall_ms.add_metric([model, str(bucket), mode], ms)
-        yield wall_ms
+        def by_bucket(name: str, doc: str, table: str):
+            """A gauge per (bucket, step mode) of one of the live choice's cost tables on the engine."""
+            family = GaugeMetricFamily(name, doc, labels=["model_name", "bucket", "step"])
+            for (bucket, mode), ms in sorted(getattr(engine, table, {}).items()):
+                family.add_metric([model, str(bucket), mode], ms)
+            return family
+
+        yield by_bucket("dscale_live_step_ms", "A bucket's decode step device time (ms), a running floor, per step mode "
+                        "while serving (the live choice's costs; captured steps only).", "live_step_ms")
+        yield by_bucket("dscale_live_host_ms", "The host's own work (ms), a running floor, per engine cycle that "
+                        "launched a bucket's step of this mode (the cycle's wall time less its waits for the device); a "
+                        "step costs the live choice at least this.", "host_ms")
+        yield by_bucket("dscale_live_wall_ms", "The wall time (ms), a running floor, of an engine cycle that launched a "
+                        "bucket's step of this mode, in that mode's own runs (device, host and the gaps between them); "
+                        "a step costs the live choice at least this.", "wall_ms")
         cycle = getattr(engine, "cycle_ms", None)
         if cycle is not None:
             yield gauge("dscale_engine_cycle_ms", "Running mean of the wall time between engine steps while requests "
