@@ -5,14 +5,13 @@ The served fallback trailed target-only at T = 1, concurrency 1, even while it r
 Two parts, each side by side in one process:
 
 1. Replays (CUDA events, median of `--reps`) of one bucket's captured greedy steps: target-only in a target-only
-   engine; target-only in a DScale engine with the fallback (a speculative runner's target step also captures the
-   drafter's layers and writes the drafter's context cache); that step captured without the capture and the writes
-   (timing only: its drafter cache would go stale); DFlash's step.
+   engine; target-only in a DScale engine with the fallback (it leaves the drafter's context to the engine's
+   catch-up, `StepRunner.defer_context`); that step capturing the drafter's layers and writing its context, as
+   every target-only step of a speculative runner did before the catch-up; DFlash's step.
 2. `engine.generate` rounds (`demo_gpu_e2e.run_points`: paired, each run >= `--min-seconds`) at greedy and T = 1:
-   target-only, DScale, DScale with the fallback, that engine held to its target-only step (every decode step), and
-   held to its static step (`StepRunner.mode_for`: the fallback's graphs without its live choice), which parts the
-   fallback's cost at greedy concurrency 8 into its graphs and its choice, and one whose choice ignores the cycles'
-   wall time (`Engine.wall_ms` unfed: the choice before it).
+   target-only, DScale, DScale with the fallback, that engine held to its target-only step (every decode step), one
+   whose target-only steps write the drafter's context (`StepRunner.DEFER_CONTEXT` off: the fallback before the
+   catch-up), and one whose choice ignores the cycles' wall time (`Engine.wall_ms` unfed: the choice before it).
 
     python benchmarks/fallback_cost_gpu.py --out fallback_cost.json
 """
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from demo_gpu_e2e import build, run_points
 
 from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts
-from dscale_runtime.runner import BucketStep, StepKind
+from dscale_runtime.runner import BucketStep, StepKind, StepRunner
 
 
 class Unfed(dict):
@@ -58,12 +57,13 @@ def replays(sizes: list[int], dtype: str, predictor: Path, reps: int, context: i
         bucket = runner.bucket(size)
         row = {"target engine, target step": timed(target.runner.get(bucket, StepKind("target")), context, reps),
                "fallback engine, target step": timed(runner.get(bucket, StepKind("target")), context, reps)}
-        layers, runner.capture_layers = runner.capture_layers, ()
-        try:  # NOTE: timing only; never served (its drafter context would go stale)
-            bare = BucketStep(runner, runner._buffers(bucket), StepKind("target")).build(runner.use_graphs, runner.pool)
+        runner.defer_context = False
+        try:  # NOTE: timing only, never served (its engine would catch the context up again)
+            writing = BucketStep(runner, runner._buffers(bucket), StepKind("target")).build(runner.use_graphs,
+                                                                                          runner.pool)
         finally:
-            runner.capture_layers = layers
-        row["fallback engine, target step without drafter writes"] = timed(bare, context, reps)
+            runner.defer_context = True
+        row["fallback engine, target step writing the drafter context"] = timed(writing, context, reps)
         row["fallback engine, dflash step"] = timed(runner.get(bucket, StepKind("dflash")), context, reps)
         rows[bucket] = row
         print(f"bucket {bucket:3d}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()), flush=True)
@@ -83,9 +83,12 @@ def served(concurrency: list[int], args) -> list[dict]:
                    "dscale-fb held to target": build("dscale", c, args.dtype, args.predictor, True,
                                                      target_fallback=True)}
         engines["dscale-fb held to target"]._mode_for = lambda n, probe=True: "target"
-        static = build("dscale", c, args.dtype, args.predictor, True, target_fallback=True)
-        static._mode_for = lambda n, probe=True, runner=static.runner: runner.mode_for(n)
-        engines["dscale-fb static choice"] = static  # NOTE: its graphs, none of its live choice
+        StepRunner.DEFER_CONTEXT = False
+        try:  # NOTE: its target-only steps write the drafter's context (no catch-up): the fallback before it
+            engines["dscale-fb writing context"] = build("dscale", c, args.dtype, args.predictor, True,
+                                                         target_fallback=True)
+        finally:
+            StepRunner.DEFER_CONTEXT = True
         unwalled = build("dscale", c, args.dtype, args.predictor, True, target_fallback=True)
         unwalled.wall_ms = Unfed()
         engines["dscale-fb without wall_ms"] = unwalled  # NOTE: the choice on device time and host work alone
@@ -98,6 +101,9 @@ def served(concurrency: list[int], args) -> list[dict]:
                 print(f"c={c:3d} T={point[0]} {name:26s} {r['tokens_per_s']:9.1f} tok/s runs {r['tokens_per_s_runs']} "
                       f"vs target (paired) {r.get('vs_target_paired', 1.0):.3f} acc_len {r['mean_acceptance_length']:.3f} "
                       f"steps {r['decode_steps_last_round']}", flush=True)
+            for name, engine in engines.items():
+                print(f"c={c:3d} T={point[0]} {name:26s} context catch-up tokens so far {engine.counters.context_tokens}",
+                      flush=True)
         if "dscale-fb" in engines:
             fb = engines["dscale-fb"]
             print(f"c={c:3d} dscale-fb live_step_ms {fb.live_step_ms} host_ms {fb.host_ms} wall_ms {fb.wall_ms}",

@@ -262,6 +262,9 @@ class Engine:
             log.info("decode ms per bucket (the chunk budget's reference): %s",
                      {b: round(ms, 3) for b, ms in self.decode_ms.items()})
         self._pending: list = []  # launched steps not committed yet, oldest first: callables -> finished requests
+        self._catch_up = False
+        """Whether the next `step` commits every launched step first: a speculative step was due for a request whose
+        drafter context target-only steps had skipped, and the tokens of those steps were not on the host yet."""
         self.cycle_ms: float | None = None
         """Running mean of the wall time (ms) from one `step` call to the next while requests decode, over the
         cycles with no prefill in them or in the two before (with the overlap schedule a chunk's device time
@@ -480,9 +483,10 @@ class Engine:
         finished: list[Request] = []
         self._time_cycle()
         decoding = [r for r in self.scheduler.running if not r.prefilling]
-        if self._pending and not (decoding and self._overlapping()
-                                  and self.scheduler.reserve(decoding, self.overlap_lookahead)):
+        if self._pending and (self._catch_up or not (decoding and self._overlapping()
+                                                     and self.scheduler.reserve(decoding, self.overlap_lookahead))):
             finished += self._drain()
+        self._catch_up = False
         if self._pending:
             # Overlap: launch the next step first, commit the previous ones while it runs, then admit and prefill.
             launched = len(self._pending)
@@ -750,6 +754,37 @@ class Engine:
         self._pending.append(commit)
         return []
 
+    def _catch_up_context(self, requests: list[Request]) -> None:
+        """Write the drafter context that target-only steps skipped (`StepRunner.defer_context`), from each request's
+        `context_from` up to its computed tokens, before its next speculative step reads it: the target forward
+        over those tokens through the prefill runner (captured token buckets on CUDA), which captures the layers the
+        drafter reads and injects them, and rewrites the target's K/V there with what it holds (the same tokens at
+        the same positions; its pages are the request's own: registered pages end before `context_from`). No token
+        is drawn. Pieces of at most the largest bucket's tokens, one piece of a request per prefill."""
+        largest = self.prefiller.buckets[-1] if self.prefiller.pad and self.prefiller.buckets else None
+        starts = [r.context_from for r in requests]
+        while True:
+            chunks = []
+            for i, request in enumerate(requests):
+                end = request.num_computed if largest is None else min(request.num_computed, starts[i] + largest)
+                if starts[i] < end:
+                    chunks.append(PrefillChunk(request.all_token_ids[starts[i] : end], starts[i], request.pages))
+                    starts[i] = end
+            if not chunks:
+                break
+            group, tokens = [], 0
+            for chunk in chunks:
+                if group and (len(group) == self.prefiller.max_requests
+                              or (largest is not None and tokens + len(chunk.tokens) > largest)):
+                    self.prefiller.run(group)
+                    group, tokens = [], 0
+                group.append(chunk)
+                tokens += len(chunk.tokens)
+            self.prefiller.run(group)
+            self.counters.context_tokens += sum(len(c.tokens) for c in chunks)
+        for request in requests:
+            request.context_from = None
+
     def _mode_for(self, n: int, probe: bool = True) -> str:
         """The step a batch of n runs: the runner's (DScale's measured policy), or, among the steps the runner
         timed at start-up for the bucket (`StepRunner.live_modes`: DFlash and DScale with `dscale_policy`
@@ -837,6 +872,20 @@ class Engine:
         (`_drain`). A request with a launched, uncommitted step starts from the device state."""
         n = len(requests)
         mode = self._mode_for(n)
+        behind = [r for r in requests if r.context_from is not None] if mode != "target" else []
+        if behind:
+            if any(r.ahead for r in behind):
+                # NOTE: the tokens of their launched target-only steps are not on the host yet: one more target-only
+                # step, and the next `step` commits everything before it decodes (one cycle without overlap)
+                mode, self._catch_up = "target", True
+            else:
+                self._catch_up_context(behind)
+        if mode == "target" and self.runner.defer_context:
+            # NOTE: this step writes no drafter context; a request's computed count on the host is at most the
+            # step's position (it counts the commits only), so the catch-up may rewrite a few positions, never miss one
+            for request in requests:
+                if request.context_from is None:
+                    request.context_from = request.num_computed
         if self._cycle is not None:
             self._cycle[3] = (self.runner.bucket(n), mode)
         kind = self._step_kind(requests, mode)

@@ -420,9 +420,10 @@ class BucketStep:
             logits, _ = r.target(block.reshape(-1), meta, r.target_caches, None, (), float_logits=False)
             full_accepted = self._accept(logits, meta, block, q, meta.query_lens, meta.query_starts)[0]
         meta, lens, offsets = decision.meta, decision.verify_lens, decision.verify_offsets
-        # NOTE: a speculative runner's target-only steps feed the drafter's cache too (its next block needs them)
-        logits, features = r.target(decision.token_ids, meta, r.target_caches, None, r.capture_layers,
-                                    float_logits=False)
+        # NOTE: a speculative runner's target-only steps leave the drafter's context to the engine
+        # (`StepRunner.defer_context`): it is written, in one prefill-shaped forward, only before a speculative step
+        layers = r.capture_layers if kind.mode != "target" or not r.defer_context else ()
+        logits, features = r.target(decision.token_ids, meta, r.target_caches, None, layers, float_logits=False)
         fused = r.decision_backend == "triton"
         accepted, successor, tokens = self._accept(logits, meta, block, q, lens, offsets, top1=not fused)
         if fused:
@@ -629,6 +630,10 @@ class StepResult:
 class StepRunner:
     """Owns every decode step of one engine: buckets, their buffers and steps, capture, replay, host reads."""
 
+    DEFER_CONTEXT = True
+    """Whether a speculative runner's target-only steps leave the drafter's context to the engine (`defer_context`);
+    a benchmark sets it off around an engine's construction to time the steps that write it."""
+
     def __init__(self, target, drafter, target_caches, drafter_caches, *, mode: str, block_size: int,
                  max_batch: int, max_pages: int, page_size: int, budget_ratio: float, full_width_max_batch: int,
                  feature_spec, predictor=None, projection=None, buckets: list[int] | None = None,
@@ -642,6 +647,11 @@ class StepRunner:
         self.budget_ratio, self.full_width_max_batch = budget_ratio, full_width_max_batch
         self.feature_spec, self.predictor, self.projection = feature_spec, predictor, projection
         self.capture_layers = tuple(drafter.config.target_layer_ids) if drafter is not None and mode != "target" else ()
+        # Target-only steps of a speculative runner (the target fallback's) skip the drafter's context: their
+        # captures and context writes were 1.4-5% of such a step on the demo pair (an H100, 2026-12-06), and most of
+        # those positions are never drafted from; the engine writes what a speculative step will read just before it
+        # (`Engine._catch_up_context`). Read when a step is built (`DEFER_CONTEXT` off: the steps write it as before).
+        self.defer_context = self.DEFER_CONTEXT and bool(self.capture_layers)
         # NOTE: the confidence-feature path was chosen once with the drafter's kernels (its logits' device/dtype);
         # DFlash 2's features read K selector scores per slot instead of V logits: the same two launches (one
         # chunk per row) where the reference takes about a dozen small ones

@@ -46,7 +46,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
-    """Tokens whose target K/V and drafter context are in the cache (all but the pending anchor)."""
+    """Tokens whose target K/V is in the cache (all but the pending anchor)."""
+    context_from: int | None = None
+    """The first position whose drafter context is not in the cache, or None where every computed position's is:
+    a speculative engine's target-only steps leave it unwritten, and the engine writes it before the request's next
+    speculative step (`Engine._catch_up_context`)."""
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None
@@ -236,10 +240,12 @@ class Scheduler:
 
     def register(self, request: Request) -> None:
         """With a prefix-caching allocator: offer the full pages of the request's computed tokens to later
-        requests (their K/V is final: every position below num_computed holds a committed token)."""
+        requests (their K/V is final: every position below num_computed holds a committed token), up to the
+        first position without its drafter context (`Request.context_from`): a hit starts from that context."""
         if hasattr(self.allocator, "register") and request.pages:
+            upto = request.num_computed if request.context_from is None else request.context_from
             try:
-                self.allocator.register(request.all_token_ids[: request.num_computed], request.pages)
+                self.allocator.register(request.all_token_ids[:upto], request.pages)
             except ValueError:  # NOTE: bookkeeping of a cache, never of the output: the pages stay uncached
                 log.exception("request %s: its pages could not be offered to the prefix cache", request.request_id)
 
@@ -248,7 +254,7 @@ class Scheduler:
         self.running.remove(request)
         self.register(request)
         self._release(request)
-        request.num_computed = 0
+        request.num_computed, request.context_from = 0, None
         request.status = Status.WAITING
         self.waiting.appendleft(request)
 

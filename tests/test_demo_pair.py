@@ -170,3 +170,72 @@ def test_near_tie_report_finds_the_first_difference_and_its_margin():
     assert len(report) == 1 and report[0]["prompt"] == 1 and report[0]["first_difference"] == 3
     assert report[0]["fp32_top2_margin"] == pytest.approx((top.values[0] - top.values[1]).item(), abs=1e-3)
     assert near_ties(DEMO_DIR / "target", prompts, same, same) == []
+
+
+def test_target_only_steps_leave_the_drafter_context_to_a_catch_up_before_drafting(monkeypatch):
+    """A speculative engine's target-only steps (the target fallback's) skip the drafter's context, and the engine
+    writes it just before the request's next speculative step (`Engine._catch_up_context`). Oracle: the same forced
+    pattern of target-only and DFlash steps with every step writing the context (`StepRunner.DEFER_CONTEXT` off):
+    every DFlash step accepts the same drafts (the trained demo drafter accepts ~3 of 15 greedily), which it does
+    not without the catch-up; the tokens equal target-only decoding's, with the overlap schedule on and off."""
+    import itertools
+
+    from dscale_runtime.runner import StepRunner
+
+    prompts = [p["prompt"] for p in stdlib_prompts()[:4]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = dict(max_running_requests=4, max_model_len=512, dtype="float32")
+    want = [o.token_ids for o in Engine.from_pretrained(
+        DEMO_DIR / "target", config=EngineConfig(mode="target", **base)).generate(prompts, params)]
+
+    def run(defer: bool, overlap: bool, catch_up: bool = True):
+        monkeypatch.setattr(StepRunner, "DEFER_CONTEXT", defer)
+        engine = Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter",
+                                        config=EngineConfig(mode="dflash", overlap_schedule=overlap, **base))
+        steps = itertools.count()
+        engine._mode_for = lambda n, probe=True: "target" if next(steps) % 7 < 4 else "dflash"
+        if not catch_up:
+            engine._catch_up_context = lambda requests: [setattr(r, "context_from", None) for r in requests]
+        engine.keep_history = True
+        outputs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outputs] == want
+        return engine, [o.stats.accepted_lens for o in outputs]
+
+    def per_draft_step(engine) -> float:  # accepted drafts per request in a DFlash step
+        rows = [a for step in engine.counters.history for a, k in zip(step.accepted_lens, step.verify_lens) if k > 1]
+        return sum(rows) / len(rows)
+
+    writing, accepted = run(False, overlap=False)
+    assert writing.counters.context_tokens == 0 and sum(map(sum, accepted)) > 2 * len(prompts)
+    deferred, same = run(True, overlap=False)
+    assert same == accepted
+    assert deferred.counters.steps_by_mode == writing.counters.steps_by_mode
+    # A position a target-only step decoded is written once, before a DFlash step, or never (its request ended)
+    assert 0 < deferred.counters.context_tokens <= deferred.counters.steps_by_mode["target"] * len(prompts)
+    assert run(True, overlap=False, catch_up=False)[1] != accepted
+    # Overlapped, a DFlash step due while a request's target-only step is uncommitted runs target-only instead, and the
+    # next step commits first: drafting never reads a missing context.
+    overlapped, _ = run(True, overlap=True)
+    assert overlapped.counters.context_tokens > 0
+    assert per_draft_step(overlapped) >= 0.8 * per_draft_step(writing), (per_draft_step(overlapped),
+                                                                       per_draft_step(writing))
+    assert all(r.context_from is None for r in overlapped.scheduler.running)
+
+
+def test_pages_without_their_drafter_context_are_not_offered_to_the_prefix_cache():
+    """A request's pages are registered only up to its first position without drafter context (a hit would start
+    drafting from a context no step wrote); a preemption forgets the gap with the computed tokens."""
+    from dscale_runtime.prefix_cache import PrefixCachingAllocator
+    from dscale_runtime.scheduler import Request, Scheduler
+
+    allocator = PrefixCachingAllocator(16, 4)
+    scheduler = Scheduler(allocator, max_running=2, lookahead=1)
+    tokens = list(range(1, 18))
+    request = Request("a", tokens, SamplingParams(max_tokens=4))
+    scheduler.add(request)
+    scheduler.schedule()
+    request.num_computed, request.context_from = 16, 9  # target-only steps from position 9 on
+    scheduler.register(request)
+    assert len(allocator.match(tokens, count=False)) == 2  # the pages of positions 0-7, not 8-15
+    scheduler._preempt(request)
+    assert request.context_from is None and request.num_computed == 0

@@ -414,8 +414,9 @@ def test_live_policy_serves_only_captured_steps_and_keeps_greedy_output():
 @needs_cuda
 def test_target_fallback_times_target_steps_and_keeps_greedy_output():
     """Speculative engines with graphs time every bucket's target-only step beside their own; with start-up
-    times that make speculation lose at the live acceptance, their target-only steps (which feed the drafter's
-    cache) and the probes between them still decode target-only's greedy tokens."""
+    times that make speculation lose at the live acceptance, their target-only steps (which leave the drafter's
+    context to a catch-up before the next speculative step) and the probes between them still decode target-only's
+    greedy tokens."""
     prompts, params, want = greedy_oracle()
     for mode in ("dflash", "dscale"):
         engine = demo_engine(mode, True, target_fallback=True)
@@ -426,6 +427,36 @@ def test_target_fallback_times_target_steps_and_keeps_greedy_output():
             times.update({step: 100 * times["target"] for step in times if step != "target"})
         assert [o.token_ids for o in engine.generate(prompts, params)] == want
         assert engine.counters.steps_by_mode["target"] > 0, engine.counters.steps_by_mode
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_target_only_steps_leave_the_drafter_context_to_a_captured_catch_up(monkeypatch):
+    """Captured steps and captured prefill, the overlap schedule on: a forced pattern of target-only steps (which
+    skip the drafter's context) and DFlash steps (before which the engine writes it, `Engine._catch_up_context`, in
+    prefill replays) decodes target-only's greedy tokens, and its DFlash steps accept about what those of an engine
+    whose target-only steps write the context do (the pattern differs by the step each catch-up waits for its
+    tokens; on the CPU, without the catch-up, the same steps accept half as much: tests/test_demo_pair.py)."""
+    import itertools
+
+    from dscale_runtime.runner import StepRunner
+
+    prompts, params, want = greedy_oracle()
+
+    def per_draft_step(defer: bool) -> tuple[Engine, float]:
+        monkeypatch.setattr(StepRunner, "DEFER_CONTEXT", defer)
+        engine = demo_engine("dflash", True, target_fallback=True, prefill_graphs=defer)
+        steps = itertools.count()
+        engine._mode_for = lambda n, probe=True: "target" if next(steps) % 7 < 4 else "dflash"
+        engine.keep_history = True
+        assert [o.token_ids for o in engine.generate(prompts, params)] == want
+        rows = [a for step in engine.counters.history for a, k in zip(step.accepted_lens, step.verify_lens) if k > 1]
+        return engine, sum(rows) / len(rows)
+
+    deferred, accepted = per_draft_step(True)
+    writing, reference = per_draft_step(False)
+    assert deferred.counters.context_tokens > 0 and writing.counters.context_tokens == 0
+    assert accepted >= 0.8 * reference > 0.8, (accepted, reference)
 
 
 @pytest.mark.gpu
