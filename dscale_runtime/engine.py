@@ -53,7 +53,13 @@ ACCEPTANCE_WEIGHT = 0.05
 """Weight of each step in the running mean of live acceptance (about the last 20 steps)."""
 TARGET_PROBE = 8 * FALLBACK_PROBE
 """Where target-only steps are best, every this-many-th step speculates (PROBE_RUN steps in a row): acceptance
-follows the traffic, so speculation's estimate must too."""
+follows the traffic, so speculation's estimate must too. Each probe that finds target-only steps still best doubles
+the bucket's period, up to TARGET_PROBE_MAX (`Engine._mode_for`)."""
+TARGET_PROBE_MAX = 8 * TARGET_PROBE
+"""The longest probe period of a fallen-back bucket: on the demo pair at T = 1 a probe (its DFlash steps, the
+catch-up of the drafter context the target-only steps skipped, and a cycle without overlap) cost ~3% of the time
+at concurrency 1 every 128 steps (an H100, 2026-12-06); every 1,024 steps a change of traffic is seen within
+~0.3 s there."""
 TARGET_REFRESH = 8 * TARGET_PROBE
 """While speculation pays, every this-many-th step runs target-only steps (PROBE_RUN in a row) to keep their live
 cost current. That cost follows only the batch and its sampling kind, not the traffic's acceptance, so few samples
@@ -233,6 +239,8 @@ class Engine:
         """The probed step and how many more steps in a row it runs (PROBE_RUN in all)."""
         self._last_run: dict[str, int] = {}
         """Step mode -> `_live_steps` when it last ran (the live choice probes the one run least recently)."""
+        self._target_period: dict[int, int] = {}
+        """Bucket -> its probe period while target-only steps are best there (TARGET_PROBE, doubled per probe)."""
         if self.runner.use_graphs:
             self.runner.prepare(self._serving_kinds())
             if self.runner.bucket_modes:
@@ -829,8 +837,13 @@ class Engine:
             elif self._live_steps % FALLBACK_PROBE == 0:
                 if target_probe and self._live_steps % TARGET_REFRESH == 0:
                     others.append("target")
-                if others and (chosen != "target" or self._live_steps % TARGET_PROBE == 0):
+                period = self._target_period.get(bucket, TARGET_PROBE)
+                if others and (chosen != "target" or self._live_steps % period == 0):
                     best = min(others, key=lambda m: self._last_run.get(m, -1))
+                    if chosen == "target":  # NOTE: back to TARGET_PROBE once a probe wins the bucket back
+                        self._target_period[bucket] = min(2 * period, TARGET_PROBE_MAX)
+            if chosen != "target":
+                self._target_period.pop(bucket, None)
             # NOTE: a probe that leaves or enters target-only steps runs PROBE_RUN steps: a cycle commits the step
             # before the one it launches, so only the run's later cycles are the probed step's own (`host_ms`)
             if best != chosen and "target" in (best, chosen) and PROBE_RUN > 1:
@@ -876,10 +889,16 @@ class Engine:
         if behind:
             if any(r.ahead for r in behind):
                 # NOTE: the tokens of their launched target-only steps are not on the host yet: one more target-only
-                # step, and the next `step` commits everything before it decodes (one cycle without overlap)
+                # step, and the next `step` commits everything before it decodes (one cycle without overlap); a
+                # probe keeps its PROBE_RUN speculative steps
+                if self._probe_run is not None and self._probe_run[0] == mode:
+                    self._probe_run = (mode, self._probe_run[1] + 1)
                 mode, self._catch_up = "target", True
             else:
                 self._catch_up_context(behind)
+                if self._cycle is not None:
+                    # NOTE: the next cycle waits for the catch-up's device time too: neither is a step's own cost
+                    self._cycle[1] |= 0b010
         if mode == "target" and self.runner.defer_context:
             # NOTE: this step writes no drafter context; a request's computed count on the host is at most the
             # step's position (it counts the commits only), so the catch-up may rewrite a few positions, never miss one

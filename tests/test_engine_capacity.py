@@ -332,6 +332,31 @@ def test_a_fallen_back_bucket_speculates_in_runs_that_show_their_host_work(pair)
     assert engine._mode_for(1, probe=False) == "dflash"
 
 
+def test_a_fallen_back_bucket_probes_less_often_while_target_only_steps_stay_best(pair):  # noqa: F811
+    """Each probe that finds target-only steps still best doubles the bucket's probe period, from TARGET_PROBE up to
+    TARGET_PROBE_MAX (a probe costs its speculative steps and the drafter context's catch-up); once speculation wins
+    the bucket back, the period starts again from TARGET_PROBE."""
+    from dscale_runtime.engine import PROBE_RUN, TARGET_PROBE, TARGET_PROBE_MAX
+
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    bucket = engine.runner.bucket(1)
+    engine.live_acceptance["dflash"] = 0.1
+    engine.live_step_ms[bucket, "dflash"], engine.live_step_ms[bucket, "target"] = 1.0, 0.25
+    engine._live_steps = 0
+    runs = [engine._mode_for(1) for _ in range(4 * TARGET_PROBE_MAX)]
+    starts = [i + 1 for i, m in enumerate(runs) if m == "dflash" and (i == 0 or runs[i - 1] != "dflash")]
+    assert TARGET_PROBE_MAX == 8 * TARGET_PROBE
+    assert starts == [TARGET_PROBE * k for k in (1, 2, 4, 8, 16, 24, 32)], starts
+    assert runs.count("dflash") == PROBE_RUN * (len(starts) - 1) + 1  # the last run starts at the last call
+    engine._probe_run = None
+    engine.live_acceptance["dflash"] = 5.0  # the traffic changed: speculation pays again
+    assert engine._mode_for(1) == "dflash" and bucket not in engine._target_period
+    engine.live_acceptance["dflash"] = 0.1
+    engine._live_steps = 0
+    runs = [engine._mode_for(1) for _ in range(TARGET_PROBE)]
+    assert runs.count("dflash") == 1 and runs[-1] == "dflash"
+
+
 def test_target_only_steps_are_refreshed_rarely_while_speculation_pays(pair):  # noqa: F811
     """While DFlash is best, target-only steps run only to keep their cost current: PROBE_RUN in a row every
     TARGET_REFRESH steps (their cost does not follow acceptance), after the bucket's first probe."""
