@@ -38,7 +38,7 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
     engine.runner, engine.step_observers, engine._probe_run, engine._live_steps, engine._last_run = \
         runner, [], None, 0, {}
     engine.live_acceptance, engine.live_step_ms, engine.host_ms, engine.time_live_steps = {}, {}, {}, True
-    engine.wall_ms = {}
+    engine.wall_ms, engine._target_period = {}, {}
     wall_fed = getattr(args, "wall", True)
     gaps = {"dflash": getattr(args, "dflash_gap_ms", 0.0), "target": getattr(args, "target_gap_ms", 0.0)}
     time_ms = tokens = 0.0

@@ -559,8 +559,16 @@ def test_live_choice_model_runs_the_engines_choice():
     assert greedy["x_target"] > 1.4 and greedy["steps"]["target"] < 0.01 * greedy["steps"]["dflash"], greedy
     # DFlash steps that cost the loop more than their device time and host work show (the H100 tail buckets of
     # 2026-12-06): with their cycles' wall time (`Engine.wall_ms`) the choice serves closer to target-only's rate
+    # (probing every TARGET_PROBE steps, as before the probe period doubled)
     tail = dict(base, target_ms=0.276, target_host_ms=0.295, dflash_ms=0.493, dflash_host_ms=0.281, dflash_gap_ms=0.15)
-    walled = sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], **tail))
-    unwalled = sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], wall=False, **tail))
+    longest = engine_module.TARGET_PROBE_MAX
+    try:
+        engine_module.TARGET_PROBE_MAX = engine_module.TARGET_PROBE
+        walled = sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], **tail))
+        unwalled = sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], wall=False, **tail))
+    finally:
+        engine_module.TARGET_PROBE_MAX = longest
     assert walled["x_target"] > 0.985 and walled["x_target"] > unwalled["x_target"] + 0.005, (walled, unwalled)
+    # Probes that find target-only steps still best come 128, 256, ... up to 1,024 steps apart: within 0.5% of it
+    assert sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], **tail))["x_target"] > 0.995
     assert sim.simulate(argparse.Namespace(alpha=[0.6, 0.85], **tail))["x_target"] > 1.4  # greedy keeps DFlash
