@@ -58,7 +58,7 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
                 while accepted < 15 and rng.random() < alpha:
                     accepted += 1
                 device, host, got = args.dflash_ms, args.dflash_host_ms, 1 + accepted
-                engine.observe_acceptance("dflash", [accepted])
+                engine.observe_acceptance("dflash", [accepted], engine.acceptance_weight(1, "dflash"))
             wall = max(device, host) + gaps[mode]
             time_ms += wall
             track_cost(engine.live_step_ms, (1, mode), device + (args.probe_device_extra if probed else 0.0))

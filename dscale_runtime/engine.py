@@ -51,6 +51,11 @@ FALLBACK_PROBE = 16
 in a row every TARGET_PROBE-th step."""
 ACCEPTANCE_WEIGHT = 0.05
 """Weight of each step in the running mean of live acceptance (about the last 20 steps)."""
+PROBE_ACCEPTANCE_WEIGHT = 0.15
+"""The weight of a probe's steps out of a fallen-back bucket (`Engine.acceptance_weight`): the estimate they correct
+is as old as the fallback, and three of them move it ~40% of the way. At ACCEPTANCE_WEIGHT (14%) greedy runs on an
+H100 whose acceptance had dipped took a third of their steps target-only (2026-12-06); at 0.3 a T = 1-like model
+(`benchmarks/live_choice_sim.py`) flipped back to speculation on lucky probes often enough to cost it 1-2%."""
 TARGET_PROBE = 8 * FALLBACK_PROBE
 """Where target-only steps are best, every this-many-th step speculates (PROBE_RUN steps in a row): acceptance
 follows the traffic, so speculation's estimate must too. Each probe that finds target-only steps still best doubles
@@ -905,8 +910,10 @@ class Engine:
             for request in requests:
                 if request.context_from is None:
                     request.context_from = request.num_computed
+        bucket = self.runner.bucket(n)
+        weight = self.acceptance_weight(bucket, mode)
         if self._cycle is not None:
-            self._cycle[3] = (self.runner.bucket(n), mode)
+            self._cycle[3] = (bucket, mode)
         kind = self._step_kind(requests, mode)
         ctx = [r.num_computed for r in requests]
         decode_steps = [r.stats.num_steps for r in requests]
@@ -928,13 +935,14 @@ class Engine:
                 request.ahead -= 1
             result = pending.result()
             self._waited(result.waited_ms)
-            return self._commit_step(requests, result, mode, kind, ctx, decode_steps, knots)
+            return self._commit_step(requests, result, mode, kind, ctx, decode_steps, knots, weight)
 
         self._pending.append(commit)
         return []
 
     def _commit_step(self, requests: list[Request], result: StepResult, mode: str, kind: StepKind,
-                     ctx: list[int], decode_steps: list[int], knots: np.ndarray | None = None) -> list[Request]:
+                     ctx: list[int], decode_steps: list[int], knots: np.ndarray | None = None,
+                     weight: float = ACCEPTANCE_WEIGHT) -> list[Request]:
         """Commit one decode step's results. Rows of requests that finished after it was launched (their
         output ended in the step before, or an abort) commit nothing; the step's statistics count every row
         the device verified (the calibration's too: `knots` is the map the step ran with)."""
@@ -951,7 +959,7 @@ class Engine:
         if self.time_live_steps and result.device_ms is not None and self.runner.policy_ms:
             track_cost(self.live_step_ms, (self.runner.bucket(len(requests)), mode), result.device_ms)
         if mode != "target" and result.accepted:
-            self.observe_acceptance(mode, result.accepted)
+            self.observe_acceptance(mode, result.accepted, weight)
         live = [i for i, r in enumerate(requests) if r.status is Status.RUNNING]
         finished = self._advance([requests[i] for i in live], [result.accepted[i] for i in live],
                                  [result.successors[i] for i in live], [result.drafts[i] for i in live],
@@ -963,11 +971,16 @@ class Engine:
                 observer(trace)
         return finished
 
-    def observe_acceptance(self, mode: str, accepted: list[int]) -> None:
+    def observe_acceptance(self, mode: str, accepted: list[int], weight: float = ACCEPTANCE_WEIGHT) -> None:
         """Fold one committed speculative step's accepted drafts per row into `live_acceptance[mode]`."""
         mean = sum(accepted) / len(accepted)
         old = self.live_acceptance.get(mode)
-        self.live_acceptance[mode] = mean if old is None else old + ACCEPTANCE_WEIGHT * (mean - old)
+        self.live_acceptance[mode] = mean if old is None else old + weight * (mean - old)
+
+    def acceptance_weight(self, bucket: int, mode: str) -> float:
+        """The weight of a speculative step of `mode` launched now in `bucket` in the live acceptance: a probe's out of a
+        bucket where target-only steps are best (PROBE_ACCEPTANCE_WEIGHT), else ACCEPTANCE_WEIGHT."""
+        return PROBE_ACCEPTANCE_WEIGHT if mode != "target" and bucket in self._target_period else ACCEPTANCE_WEIGHT
 
     def _advance(self, requests: list[Request], accepted: list[int], successors: list[int],
                  drafts: list[list[int]], lens: list[int]) -> list[Request]:

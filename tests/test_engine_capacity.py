@@ -357,6 +357,29 @@ def test_a_fallen_back_bucket_probes_less_often_while_target_only_steps_stay_bes
     assert runs.count("dflash") == 1 and runs[-1] == "dflash"
 
 
+def test_a_probe_out_of_a_fallen_back_bucket_corrects_a_stale_acceptance(pair):  # noqa: F811
+    """The acceptance estimate of a fallen-back bucket is as old as the fallback (one prompt's dip, say): a probe's
+    steps weigh PROBE_ACCEPTANCE_WEIGHT, so a probe whose drafts pay wins the bucket back at once, where the running
+    mean's 0.05 per step would have kept it on target-only steps until later probes."""
+    from dscale_runtime.engine import ACCEPTANCE_WEIGHT, PROBE_ACCEPTANCE_WEIGHT, PROBE_RUN, TARGET_PROBE
+
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    bucket = engine.runner.bucket(1)
+    engine.live_acceptance["dflash"] = 0.3
+    engine.live_step_ms[bucket, "dflash"], engine.live_step_ms[bucket, "target"] = 1.0, 0.25  # pays above 3 drafts
+    engine._live_steps = 0
+    runs, weights = [], []
+    for _ in range(TARGET_PROBE + PROBE_RUN + 2):
+        runs.append(engine._mode_for(1))
+        if runs[-1] == "dflash":
+            weights.append(engine.acceptance_weight(bucket, "dflash"))
+            engine.observe_acceptance("dflash", [10], weights[-1])
+    assert runs[: TARGET_PROBE - 1] == ["target"] * (TARGET_PROBE - 1)
+    assert runs[TARGET_PROBE - 1 :] == ["dflash"] * (PROBE_RUN + 3)
+    assert weights == [PROBE_ACCEPTANCE_WEIGHT] * PROBE_RUN + [ACCEPTANCE_WEIGHT] * 3
+    assert 0.3 + (1 - (1 - ACCEPTANCE_WEIGHT) ** PROBE_RUN) * 9.7 < 3  # the running mean's weight: still target-only
+
+
 def test_target_only_steps_are_refreshed_rarely_while_speculation_pays(pair):  # noqa: F811
     """While DFlash is best, target-only steps run only to keep their cost current: PROBE_RUN in a row every
     TARGET_REFRESH steps (their cost does not follow acceptance), after the bucket's first probe."""
@@ -559,16 +582,17 @@ def test_live_choice_model_runs_the_engines_choice():
     assert greedy["x_target"] > 1.4 and greedy["steps"]["target"] < 0.01 * greedy["steps"]["dflash"], greedy
     # DFlash steps that cost the loop more than their device time and host work show (the H100 tail buckets of
     # 2026-12-06): with their cycles' wall time (`Engine.wall_ms`) the choice serves closer to target-only's rate
-    # (probing every TARGET_PROBE steps, as before the probe period doubled)
+    # (probing every TARGET_PROBE steps at the running mean's weight, as before probes came rarer and weighed more)
     tail = dict(base, target_ms=0.276, target_host_ms=0.295, dflash_ms=0.493, dflash_host_ms=0.281, dflash_gap_ms=0.15)
-    longest = engine_module.TARGET_PROBE_MAX
+    built = engine_module.TARGET_PROBE_MAX, engine_module.PROBE_ACCEPTANCE_WEIGHT
     try:
         engine_module.TARGET_PROBE_MAX = engine_module.TARGET_PROBE
+        engine_module.PROBE_ACCEPTANCE_WEIGHT = engine_module.ACCEPTANCE_WEIGHT
         walled = sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], **tail))
         unwalled = sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], wall=False, **tail))
     finally:
-        engine_module.TARGET_PROBE_MAX = longest
+        engine_module.TARGET_PROBE_MAX, engine_module.PROBE_ACCEPTANCE_WEIGHT = built
     assert walled["x_target"] > 0.985 and walled["x_target"] > unwalled["x_target"] + 0.005, (walled, unwalled)
-    # Probes that find target-only steps still best come 128, 256, ... up to 1,024 steps apart: within 0.5% of it
-    assert sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], **tail))["x_target"] > 0.995
+    # Probes that find target-only steps still best come 128, 256, ... up to 1,024 steps apart: within 1% of it
+    assert sim.simulate(argparse.Namespace(alpha=[0.25, 0.6], **tail))["x_target"] > 0.99
     assert sim.simulate(argparse.Namespace(alpha=[0.6, 0.85], **tail))["x_target"] > 1.4  # greedy keeps DFlash
