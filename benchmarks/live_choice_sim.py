@@ -37,7 +37,8 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
                                    live_modes=lambda n: ["dflash", "target"])
     engine.runner, engine.step_observers, engine._probe_run, engine._live_steps, engine._last_run = \
         runner, [], None, 0, {}
-    engine.live_acceptance, engine.live_step_ms, engine.host_ms, engine.time_live_steps = {}, {}, {}, True
+    engine.acceptance_by_traffic, engine._traffic = {}, (False, False)  # NOTE: one kind of batch throughout
+    engine.live_step_ms, engine.host_ms, engine.time_live_steps = {}, {}, True
     engine.wall_ms, engine._target_period = {}, {}
     wall_fed = getattr(args, "wall", True)
     gaps = {"dflash": getattr(args, "dflash_gap_ms", 0.0), "target": getattr(args, "target_gap_ms", 0.0)}

@@ -215,8 +215,11 @@ class Engine:
         self.calibration = LiveCalibration(self.block_size - 1, self.runner.calibration_knots is not None,
                                            config.calibration_window) if config.mode == "dscale" else None
         """DScale: the watch of the predictor's calibration over committed DScale steps, and its live map."""
-        self.live_acceptance: dict[str, float] = {}
-        """Running mean of accepted drafts per request-step, per speculative step ('dflash', 'dscale')."""
+        self.acceptance_by_traffic: dict[tuple[bool, bool], dict[str, float]] = {}
+        """(sampled, filtered) of a batch -> running mean of accepted drafts per request-step, per speculative step
+        ('dflash', 'dscale'), over the steps of batches of that kind (`live_acceptance`: the latest batch's)."""
+        self._traffic: tuple[bool, bool] = (False, False)
+        """(sampled, filtered) of the batch whose step was chosen last (`_decode`)."""
         self.live_step_ms: dict[tuple[int, str], float] = {}
         """(bucket, step mode) -> its steps' device time (ms) while serving, a running estimate of its floor
         (`track_cost`): the actual batch's kinds (sampled ones cost more than the greedy steps timed at start-up) at
@@ -244,8 +247,9 @@ class Engine:
         """The probed step and how many more steps in a row it runs (PROBE_RUN in all)."""
         self._last_run: dict[str, int] = {}
         """Step mode -> `_live_steps` when it last ran (the live choice probes the one run least recently)."""
-        self._target_period: dict[int, int] = {}
-        """Bucket -> its probe period while target-only steps are best there (TARGET_PROBE, doubled per probe)."""
+        self._target_period: dict[tuple[int, tuple[bool, bool]], int] = {}
+        """(bucket, batch kind) -> its probe period while target-only steps are best there (TARGET_PROBE, doubled per
+        probe)."""
         if self.runner.use_graphs:
             self.runner.prepare(self._serving_kinds())
             if self.runner.bucket_modes:
@@ -714,12 +718,26 @@ class Engine:
                 kinds.append(StepKind(mode, sampled=True, filtered=filtered, draft_sampling=drafts))
         return kinds
 
-    def _step_kind(self, requests: list[Request], mode: str) -> StepKind:
-        """The kind of this batch's step: decided on the host from the requests' sampling parameters."""
+    @property
+    def live_acceptance(self) -> dict[str, float]:
+        """Step mode -> running mean of its accepted drafts per request-step, for batches of the latest batch's kind
+        (greedy, sampled, sampled with top-k / top-p filters: acceptance follows the sampling far more than the
+        prompts, so traffic that changes kind is judged at once by what that kind accepted before)."""
+        return self.acceptance_by_traffic.setdefault(self._traffic, {})
+
+    @staticmethod
+    def _traffic_of(requests: list[Request]) -> tuple[bool, bool]:
+        """(sampled, filtered) of a batch: any sampled request, any sampled one with top-k or top-p."""
         rules = [r.sampling[3] for r in requests]
         sampled = any(rule != RULE_GREEDY for rule in rules)
         filtered = any(rule != RULE_GREEDY and (r.sampling[2] > 0 or r.sampling[5] < 1)
                        for rule, r in zip(rules, requests))
+        return sampled, filtered
+
+    def _step_kind(self, requests: list[Request], mode: str) -> StepKind:
+        """The kind of this batch's step: decided on the host from the requests' sampling parameters."""
+        sampled, filtered = self._traffic_of(requests)
+        rules = [r.sampling[3] for r in requests]
         traced = bool(self.step_observers) and mode != "target"
         return StepKind(mode, sampled=sampled, filtered=filtered,
                         draft_sampling=mode != "target" and RULE_SAMPLED in rules, features=traced,
@@ -823,15 +841,15 @@ class Engine:
                 self._live_steps += 1
                 self._last_run[probed] = self._live_steps
                 return probed
-        times = self.step_costs(bucket, modes)
-        rates = {m: (1 + self.live_acceptance[m] if m != "target" else 1) / times[m]
-                 for m in modes if m == "target" or m in self.live_acceptance}
+        times, acceptance = self.step_costs(bucket, modes), self.live_acceptance
+        rates = {m: (1 + acceptance[m] if m != "target" else 1) / times[m]
+                 for m in modes if m == "target" or m in acceptance}
         best = max(rates, key=lambda m: (rates[m], m == mode)) if mode in rates else mode
         if probe:
             self._live_steps += 1
             chosen = best
             others = [m for m in modes if m not in (best, "target")]
-            unknown = [m for m in others if m not in self.live_acceptance]
+            unknown = [m for m in others if m not in acceptance]
             # NOTE: a target step gains one token: it is probed only for its live time, once per bucket (as soon as
             # the best step has one there) and then every TARGET_REFRESH-th step
             target_probe = self.time_live_steps and best != "target" and "target" in modes
@@ -842,13 +860,13 @@ class Engine:
             elif self._live_steps % FALLBACK_PROBE == 0:
                 if target_probe and self._live_steps % TARGET_REFRESH == 0:
                     others.append("target")
-                period = self._target_period.get(bucket, TARGET_PROBE)
+                period = self._target_period.get((bucket, self._traffic), TARGET_PROBE)
                 if others and (chosen != "target" or self._live_steps % period == 0):
                     best = min(others, key=lambda m: self._last_run.get(m, -1))
                     if chosen == "target":  # NOTE: back to TARGET_PROBE once a probe wins the bucket back
-                        self._target_period[bucket] = min(2 * period, TARGET_PROBE_MAX)
+                        self._target_period[bucket, self._traffic] = min(2 * period, TARGET_PROBE_MAX)
             if chosen != "target":
-                self._target_period.pop(bucket, None)
+                self._target_period.pop((bucket, self._traffic), None)
             # NOTE: a probe that leaves or enters target-only steps runs PROBE_RUN steps: a cycle commits the step
             # before the one it launches, so only the run's later cycles are the probed step's own (`host_ms`)
             if best != chosen and "target" in (best, chosen) and PROBE_RUN > 1:
@@ -889,6 +907,7 @@ class Engine:
         """Launch one decode step of the running batch through the runner; its host commit is queued
         (`_drain`). A request with a launched, uncommitted step starts from the device state."""
         n = len(requests)
+        self._traffic = traffic = self._traffic_of(requests)
         mode = self._mode_for(n)
         behind = [r for r in requests if r.context_from is not None] if mode != "target" else []
         if behind:
@@ -935,14 +954,14 @@ class Engine:
                 request.ahead -= 1
             result = pending.result()
             self._waited(result.waited_ms)
-            return self._commit_step(requests, result, mode, kind, ctx, decode_steps, knots, weight)
+            return self._commit_step(requests, result, mode, kind, ctx, decode_steps, knots, (weight, traffic))
 
         self._pending.append(commit)
         return []
 
     def _commit_step(self, requests: list[Request], result: StepResult, mode: str, kind: StepKind,
                      ctx: list[int], decode_steps: list[int], knots: np.ndarray | None = None,
-                     weight: float = ACCEPTANCE_WEIGHT) -> list[Request]:
+                     acceptance: tuple[float, tuple[bool, bool]] | None = None) -> list[Request]:
         """Commit one decode step's results. Rows of requests that finished after it was launched (their
         output ended in the step before, or an abort) commit nothing; the step's statistics count every row
         the device verified (the calibration's too: `knots` is the map the step ran with)."""
@@ -959,7 +978,7 @@ class Engine:
         if self.time_live_steps and result.device_ms is not None and self.runner.policy_ms:
             track_cost(self.live_step_ms, (self.runner.bucket(len(requests)), mode), result.device_ms)
         if mode != "target" and result.accepted:
-            self.observe_acceptance(mode, result.accepted, weight)
+            self.observe_acceptance(mode, result.accepted, *(acceptance or ()))
         live = [i for i, r in enumerate(requests) if r.status is Status.RUNNING]
         finished = self._advance([requests[i] for i in live], [result.accepted[i] for i in live],
                                  [result.successors[i] for i in live], [result.drafts[i] for i in live],
@@ -971,16 +990,20 @@ class Engine:
                 observer(trace)
         return finished
 
-    def observe_acceptance(self, mode: str, accepted: list[int], weight: float = ACCEPTANCE_WEIGHT) -> None:
-        """Fold one committed speculative step's accepted drafts per row into `live_acceptance[mode]`."""
+    def observe_acceptance(self, mode: str, accepted: list[int], weight: float = ACCEPTANCE_WEIGHT,
+                           traffic: tuple[bool, bool] | None = None) -> None:
+        """Fold one committed speculative step's accepted drafts per row into the running mean of its batch's kind
+        (`traffic`, the latest batch's by default: `live_acceptance`)."""
         mean = sum(accepted) / len(accepted)
-        old = self.live_acceptance.get(mode)
-        self.live_acceptance[mode] = mean if old is None else old + weight * (mean - old)
+        estimates = self.live_acceptance if traffic is None else self.acceptance_by_traffic.setdefault(traffic, {})
+        old = estimates.get(mode)
+        estimates[mode] = mean if old is None else old + weight * (mean - old)
 
     def acceptance_weight(self, bucket: int, mode: str) -> float:
         """The weight of a speculative step of `mode` launched now in `bucket` in the live acceptance: a probe's out of a
         bucket where target-only steps are best (PROBE_ACCEPTANCE_WEIGHT), else ACCEPTANCE_WEIGHT."""
-        return PROBE_ACCEPTANCE_WEIGHT if mode != "target" and bucket in self._target_period else ACCEPTANCE_WEIGHT
+        fallen_back = (bucket, self._traffic) in self._target_period
+        return PROBE_ACCEPTANCE_WEIGHT if mode != "target" and fallen_back else ACCEPTANCE_WEIGHT
 
     def _advance(self, requests: list[Request], accepted: list[int], successors: list[int],
                  drafts: list[list[int]], lens: list[int]) -> list[Request]:

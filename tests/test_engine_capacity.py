@@ -350,7 +350,7 @@ def test_a_fallen_back_bucket_probes_less_often_while_target_only_steps_stay_bes
     assert runs.count("dflash") == PROBE_RUN * (len(starts) - 1) + 1  # the last run starts at the last call
     engine._probe_run = None
     engine.live_acceptance["dflash"] = 5.0  # the traffic changed: speculation pays again
-    assert engine._mode_for(1) == "dflash" and bucket not in engine._target_period
+    assert engine._mode_for(1) == "dflash" and not engine._target_period
     engine.live_acceptance["dflash"] = 0.1
     engine._live_steps = 0
     runs = [engine._mode_for(1) for _ in range(TARGET_PROBE)]
@@ -378,6 +378,31 @@ def test_a_probe_out_of_a_fallen_back_bucket_corrects_a_stale_acceptance(pair): 
     assert runs[TARGET_PROBE - 1 :] == ["dflash"] * (PROBE_RUN + 3)
     assert weights == [PROBE_ACCEPTANCE_WEIGHT] * PROBE_RUN + [ACCEPTANCE_WEIGHT] * 3
     assert 0.3 + (1 - (1 - ACCEPTANCE_WEIGHT) ** PROBE_RUN) * 9.7 < 3  # the running mean's weight: still target-only
+
+
+def test_the_live_acceptance_is_kept_per_kind_of_batch(pair):  # noqa: F811
+    """Acceptance follows the sampling more than anything: greedy, sampled and filtered batches each have their own
+    estimate, so greedy traffic arriving in a bucket that T = 1 traffic made fall back speculates at once (with one
+    estimate it waited for probes up to TARGET_PROBE_MAX steps apart: an H100 run's greedy passes after T = 1 passes
+    took a third of their steps target-only, 2026-12-06), and each committed step feeds its own batch's kind."""
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    bucket = engine.runner.bucket(1)
+    engine.live_step_ms[bucket, "dflash"], engine.live_step_ms[bucket, "target"] = 1.0, 0.25  # pays above 3 drafts
+    engine._traffic = (True, False)
+    engine.observe_acceptance("dflash", [0])
+    assert engine._mode_for(1, probe=False) == "target"
+    engine._traffic = (False, False)
+    engine.observe_acceptance("dflash", [6])
+    assert engine._mode_for(1, probe=False) == "dflash"
+    engine._traffic = (True, False)
+    assert engine._mode_for(1, probe=False) == "target" and engine.live_acceptance == {"dflash": 0.0}
+    # Served: the batch's kind comes from its requests' sampling parameters
+    fresh = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    prompts = [[5, 6, 7, 8, 9], [9, 8, 7]]
+    fresh.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert set(fresh.acceptance_by_traffic) == {(False, False)}
+    fresh.generate(prompts, SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=8, ignore_eos=True))
+    assert set(fresh.acceptance_by_traffic) == {(False, False), (True, True)} and fresh._traffic == (True, True)
 
 
 def test_target_only_steps_are_refreshed_rarely_while_speculation_pays(pair):  # noqa: F811
