@@ -102,8 +102,8 @@ def served(concurrency: list[int], args) -> list[dict]:
                       f"vs target (paired) {r.get('vs_target_paired', 1.0):.3f} acc_len {r['mean_acceptance_length']:.3f} "
                       f"steps {r['decode_steps_last_round']}", flush=True)
             for name, engine in engines.items():
-                print(f"c={c:3d} T={point[0]} {name:26s} context catch-up tokens so far {engine.counters.context_tokens}",
-                      flush=True)
+                print(f"c={c:3d} T={point[0]} {name:26s} context catch-up tokens so far "
+                      f"{engine.counters.context_tokens}", flush=True)
         if "dscale-fb" in engines:
             fb = engines["dscale-fb"]
             print(f"c={c:3d} dscale-fb live_step_ms {fb.live_step_ms} host_ms {fb.host_ms} wall_ms {fb.wall_ms}",

@@ -44,8 +44,10 @@ def traced_switches(engine, log: list[dict]) -> None:
                         "costs_ms": {m: round(c, 4) for m, c in engine.step_costs(bucket, modes).items()},
                         "device_ms": {m: round(engine.live_step_ms[bucket, m], 4) for m in modes
                                       if (bucket, m) in engine.live_step_ms},
-                        "host_ms": {m: round(engine.host_ms[bucket, m], 4) for m in modes if (bucket, m) in engine.host_ms},
-                        "wall_ms": {m: round(engine.wall_ms[bucket, m], 4) for m in modes if (bucket, m) in engine.wall_ms}})
+                        "host_ms": {m: round(engine.host_ms[bucket, m], 4) for m in modes
+                                    if (bucket, m) in engine.host_ms},
+                        "wall_ms": {m: round(engine.wall_ms[bucket, m], 4) for m in modes
+                                    if (bucket, m) in engine.wall_ms}})
         if probe:
             last["mode"] = mode
         return mode

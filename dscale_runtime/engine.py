@@ -826,9 +826,11 @@ class Engine:
         never run, as soon as the first has an estimate), so every estimate follows the traffic; where the best
         is target-only, every `TARGET_PROBE`-th step, for `PROBE_RUN` steps in a row, so that the later cycles of the
         run show the speculative step's own host work (and the probes, slower than target-only steps there, take
-        ~5% of the time at concurrency 1 on the demo pair at T = 1, rather than the 13% of one step in 16). With
-        live times a target-only step is probed too, once per bucket and then every `TARGET_REFRESH`-th step, for
-        `PROBE_RUN` steps in a row."""
+        ~5% of the time at concurrency 1 on the demo pair at T = 1, rather than the 13% of one step in 16); each
+        probe after which target-only steps stay best doubles the (bucket, batch kind)'s period, up to
+        `TARGET_PROBE_MAX`. Acceptance is read for the batch's kind (`live_acceptance`). With live times a
+        target-only step is probed too, once per bucket and then every `TARGET_REFRESH`-th step, for `PROBE_RUN`
+        steps in a row."""
         mode = self.runner.mode_for(n)
         modes = self.runner.live_modes(n) if not self.step_observers else [mode]
         if len(modes) < 2:
@@ -1000,8 +1002,8 @@ class Engine:
         estimates[mode] = mean if old is None else old + weight * (mean - old)
 
     def acceptance_weight(self, bucket: int, mode: str) -> float:
-        """The weight of a speculative step of `mode` launched now in `bucket` in the live acceptance: a probe's out of a
-        bucket where target-only steps are best (PROBE_ACCEPTANCE_WEIGHT), else ACCEPTANCE_WEIGHT."""
+        """The weight of a speculative step of `mode` launched now in `bucket` in the live acceptance: a probe's out
+        of a bucket where target-only steps are best (PROBE_ACCEPTANCE_WEIGHT), else ACCEPTANCE_WEIGHT."""
         fallen_back = (bucket, self._traffic) in self._target_period
         return PROBE_ACCEPTANCE_WEIGHT if mode != "target" and fallen_back else ACCEPTANCE_WEIGHT
 

@@ -62,7 +62,8 @@ class EngineCounters:
     steps: int = 0
     prefill_tokens: int = 0
     context_tokens: int = 0
-    """Positions whose drafter context was written after target-only steps had skipped it (`Engine._catch_up_context`)."""
+    """Positions whose drafter context was written after target-only steps had skipped it
+    (`Engine._catch_up_context`)."""
     generated_tokens: int = 0
     accepted_drafts: int = 0
     request_steps: int = 0

@@ -156,7 +156,8 @@ class _ScrapeCollector:
             by_mode.add_metric([model, mode], n)
         yield by_mode
         live = GaugeMetricFamily("dscale_live_accept_length", "Running mean of accepted drafts + 1 per request-step, "
-                                 "per speculative step, for batches of the latest batch's kind (the live choice's estimate).",
+                                 "per speculative step, for batches of the latest batch's kind (the live choice's "
+                                 "estimate).",
                                  labels=["model_name", "step"])
         for mode, accepted in sorted(getattr(engine, "live_acceptance", {}).items()):
             live.add_metric([model, mode], 1.0 + accepted)
