@@ -39,7 +39,7 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
         runner, [], None, 0, {}
     engine.acceptance_by_traffic, engine._traffic = {}, (False, False)  # NOTE: one kind of batch throughout
     engine.live_step_ms, engine.host_ms, engine.time_live_steps = {}, {}, True
-    engine.wall_ms, engine._target_period = {}, {}
+    engine.wall_ms, engine._target_period, engine._best, engine._admitted = {}, {}, {}, 0
     wall_fed = getattr(args, "wall", True)
     gaps = {"dflash": getattr(args, "dflash_gap_ms", 0.0), "target": getattr(args, "target_gap_ms", 0.0)}
     time_ms = tokens = 0.0
@@ -47,6 +47,7 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
     run, previous = 0, None
     for _ in range(args.requests):
         alpha, left = rng.uniform(*args.alpha), args.tokens
+        engine._admitted += 1
         while left > 0:
             mode = engine._mode_for(1)
             steps[mode] += 1

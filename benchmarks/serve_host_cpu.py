@@ -16,6 +16,7 @@ side, round by round (this machine's speed drifts).
 
     python benchmarks/serve_host_cpu.py --trees /tmp/base . --rounds 4 --concurrency 8 32 --out runs/host
     python benchmarks/serve_host_cpu.py --flags "" "--engine-process true" --server-cores 0-3 --client-cores 4-7
+    python benchmarks/serve_host_cpu.py --mode dscale --gpu-choice --flags "" "--target-fallback true"
 
 Linux only (/proc, sched_setaffinity): the server runs on `--server-cores`, the client on `--client-cores`.
 """
@@ -35,6 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHED = "DSCALE_CACHED_STEPS"
 """Set in the server's environment: this module, imported there (`--serve`, or as the engine process's main module
 under spawn), replaces the device steps with their cache."""
+DEVICE_MS = {"target": 0.26, "speculative": 0.40}
+"""The device ms per step `--gpu-choice` gives a step (an H100's replays at bucket 1 on the demo pair, 2026-12-06)."""
+REAL_MS = [0.0]
+"""Milliseconds of cached steps' real runs not yet charged to a cycle's device waits (`emulate_gpu_choice`)."""
+CHOICE = "DSCALE_CACHED_CHOICE"
+"""Set in the server's environment by `--gpu-choice`: the engine keeps the live choice's state as a CUDA engine does
+(`emulate_gpu_choice`)."""
 
 
 def cache_device_steps() -> None:
@@ -52,7 +60,9 @@ def cache_device_steps() -> None:
         key = (self.buf.size, self.kind)
         if key not in results:
             self.buf.ctx_bound = None  # NOTE: prefills that never ran left the device state behind the host's bound
+            start = time.perf_counter()
             out = real_step(self).clone()
+            REAL_MS[0] += (time.perf_counter() - start) * 1e3
             if self.kind.mode != "target":
                 generator = torch.Generator().manual_seed(self.buf.size)
                 out[:, 0] = torch.randint(0, 7, (out.shape[0],), generator=generator)
@@ -69,6 +79,43 @@ def cache_device_steps() -> None:
 
     runner.BucketStep.__call__ = cached_step
     prefill.PrefillStep.__call__ = cached_prefill
+    if os.environ.get(CHOICE):
+        emulate_gpu_choice()
+
+
+def emulate_gpu_choice() -> None:
+    """Give every engine the live state of a captured CUDA engine, which a CPU engine lacks: its cycles feed
+    `host_ms` / `wall_ms`, its committed steps `live_step_ms` (here the cached steps' wall time), its buckets have
+    start-up step times and device times per step (DEVICE_MS), and `--target-fallback true` turns the fallback on (a
+    CPU runner keeps it off without graphs)."""
+    from dscale_runtime.engine import Engine
+    from dscale_runtime.runner import StepRunner
+
+    built, launch, cycle = Engine.__init__, StepRunner.launch, Engine._time_cycle
+
+    def time_cycle(self) -> None:
+        if self._cycle is not None:  # NOTE: a cached step's one real run is none of the cycle's time on a GPU
+            self._cycle[0] += REAL_MS[0] / 1e3
+        REAL_MS[0] = 0.0
+        cycle(self)
+
+    def timed_launch(self, *args, **kwargs):
+        pending = launch(self, *args, **kwargs)
+        pending.started = DEVICE_MS["target" if pending.kind.mode == "target" else "speculative"]  # NOTE: its device ms
+        return pending
+
+    def init(self, *args, **kwargs) -> None:
+        built(self, *args, **kwargs)
+        runner = self.runner
+        self.time_live_steps = self.time_host = True
+        runner.target_fallback = self.config.target_fallback and self.config.mode != "target"
+        modes = {runner.mode_for(b) for b in runner.buckets} | ({"target"} if runner.target_fallback else set())
+        runner.policy_ms = {b: {m: DEVICE_MS["target" if m == "target" else "speculative"] for m in modes}
+                            for b in runner.buckets}
+
+    Engine.__init__ = init
+    Engine._time_cycle = time_cycle
+    StepRunner.launch = timed_launch
 
 
 if os.environ.get(CACHED):
@@ -121,10 +168,23 @@ def bench_pass(url: str, concurrency: int, duration: float, warmup: int, out: Pa
     return report["points"][0]["median"]
 
 
+def steps_by_step(url: str) -> dict[str, float]:
+    """The server's decode steps so far by the step they ran (`/metrics`), warm-up passes included."""
+    import httpx
+
+    steps = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("dscale_decode_steps_by_step_total{"):
+            steps[line.split('step="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return steps
+
+
 def run_server(tree: Path, flags: str, port: int, args, out: Path) -> list[dict]:
     """Start one cached-step server of `tree` with `flags`, warm every bucket, then one measured pass per
     concurrency."""
     env = {**os.environ, CACHED: "1", "DSCALE_TREE": str(tree), "PYTHONPATH": str(tree)}
+    if args.gpu_choice:
+        env[CHOICE] = "1"
     log = (out / "server.log").open("w")
     command = ["taskset", "-c", args.server_cores, sys.executable, str(Path(__file__).resolve()), "--serve",
                "--mode", args.mode, "--port", str(port), "--max-model-len", "1024",
@@ -156,6 +216,7 @@ def run_server(tree: Path, flags: str, port: int, args, out: Path) -> list[dict]
             names = thread_names(server.pid, used)
             tokens = point["completion_tokens"]
             rows.append({"concurrency": c, "tok_s": tokens / point["duration"], "duration": point["duration"],
+                         "steps_by_step": steps_by_step(url),
                          "requests": point["requests"], "cpu_s": sum(used.values()),
                          "cpu_us_per_token": 1e6 * sum(used.values()) / tokens,
                          "threads_us_per_token": {names[k]: round(1e6 * v / tokens, 2) for k, v in
@@ -180,6 +241,9 @@ def main() -> None:
     parser.add_argument("--flags", nargs="+", default=[""],
                         help="dscale-serve flags per server (one string each, e.g. '--engine-process true'); with one "
                              "string per tree, or one for all")
+    parser.add_argument("--gpu-choice", action="store_true",
+                        help="the engines keep the live choice's state as on a GPU (start-up step times, live device "
+                             "and host costs; `--target-fallback true` in --flags turns the fallback on)")
     parser.add_argument("--server-cores", default="0")
     parser.add_argument("--client-cores", default="1")
     parser.add_argument("--port", type=int, default=8470)
@@ -207,7 +271,8 @@ def main() -> None:
             for row in run_server(trees[k], flags[k], args.port + i, args, out):
                 results[servers[k]][row["concurrency"]].append(row)
                 print(f"round {r} {servers[k]} c={row['concurrency']}: {row['tok_s']:,.0f} tok/s, "
-                      f"{row['cpu_us_per_token']:.1f} CPU us per token {row['threads_us_per_token']}", flush=True)
+                      f"{row['cpu_us_per_token']:.1f} CPU us per token {row['threads_us_per_token']}, decode steps "
+                      f"so far {row['steps_by_step']}", flush=True)
     summary = []
     for c in args.concurrency:
         first = results[servers[0]][c]

@@ -64,12 +64,19 @@ TARGET_PROBE_MAX = 8 * TARGET_PROBE
 """The longest probe period of a fallen-back bucket: on the demo pair at T = 1 a probe (its DFlash steps, the
 catch-up of the drafter context the target-only steps skipped, and a cycle without overlap) cost ~3% of the time
 at concurrency 1 every 128 steps (an H100, 2026-12-06); every 1,024 steps a change of traffic is seen within
-~0.3 s there."""
+~0.3 s there. The period starts again from TARGET_PROBE once as many requests as the bucket holds have started:
+acceptance varies from prompt to prompt (`benchmarks/live_choice_sim.py`, greedy-like drafts, 10 seeds: the worst
+seed served 1.36x target-only without it, 1.50x with it; T = 1-like drafts lost ~1% to the extra probes)."""
 TARGET_REFRESH = 8 * TARGET_PROBE
 """While speculation pays, every this-many-th step runs target-only steps (PROBE_RUN in a row) to keep their live
 cost current. That cost follows only the batch and its sampling kind, not the traffic's acceptance, so few samples
 do; each probe step serves ~1/3 of a greedy DFlash step's tokens on the demo pair (3 in 128 steps cost ~1.4% at
 concurrency 1, 3 in 1,024 ~0.2%)."""
+CHOICE_REFRESH = 8
+"""Once every step of a (bucket, batch kind) has live estimates, the live choice's rates there are computed anew every
+this-many steps and whenever a probe run starts or ends; in between its last best step stands (`Engine._mode_for`).
+Computing them cost ~6-9 us of host work per step on a 2-core CPU; estimates that move by a twentieth of a sample
+per step lose nothing in 8 steps."""
 PROBE_RUN = 3
 """A probe into or out of target-only steps runs this many steps in a row: with the overlap schedule a cycle commits
 the step before the one it launches, so only a probe's later cycles show its own host work (`host_ms`)."""
@@ -247,9 +254,14 @@ class Engine:
         """The probed step and how many more steps in a row it runs (PROBE_RUN in all)."""
         self._last_run: dict[str, int] = {}
         """Step mode -> `_live_steps` when it last ran (the live choice probes the one run least recently)."""
-        self._target_period: dict[tuple[int, tuple[bool, bool]], int] = {}
+        self._best: dict[tuple[int, tuple[bool, bool]], tuple[str, int]] = {}
+        """(bucket, batch kind) -> the live choice's best step and the `_live_steps` it was computed at."""
+        self._target_period: dict[tuple[int, tuple[bool, bool]], tuple[int, int]] = {}
         """(bucket, batch kind) -> its probe period while target-only steps are best there (TARGET_PROBE, doubled per
-        probe)."""
+        probe) and `_admitted` when it was set: once as many requests as the bucket holds have started since, the
+        traffic is new and the period starts again from TARGET_PROBE (acceptance varies from prompt to prompt)."""
+        self._admitted = 0
+        """Requests whose prompt has been prefilled (their first decode step follows)."""
         if self.runner.use_graphs:
             self.runner.prepare(self._serving_kinds())
             if self.runner.bucket_modes:
@@ -767,6 +779,7 @@ class Engine:
         done = [i for i, c in enumerate(chunks) if c.slot is not None]
         if not done:
             return []
+        self._admitted += len(done)
         fresh = [requests[i] for i in done]
         read = AsyncRead(first)
         for request in fresh:
@@ -836,17 +849,29 @@ class Engine:
         if len(modes) < 2:
             return mode
         bucket = self.runner.bucket(n)
+        key = (bucket, self._traffic)
         if probe and self._probe_run is not None:
             probed, left = self._probe_run
             self._probe_run = (probed, left - 1) if left > 1 else None
+            if left == 1:
+                self._best.pop(key, None)  # NOTE: the run ends: its steps' estimates count at once
             if probed in modes:
                 self._live_steps += 1
                 self._last_run[probed] = self._live_steps
                 return probed
-        times, acceptance = self.step_costs(bucket, modes), self.live_acceptance
-        rates = {m: (1 + acceptance[m] if m != "target" else 1) / times[m]
-                 for m in modes if m == "target" or m in acceptance}
-        best = max(rates, key=lambda m: (rates[m], m == mode)) if mode in rates else mode
+        acceptance = self.live_acceptance
+        known = mode == "target" or mode in acceptance
+        cached = self._best.get(key) if probe else None
+        if cached is not None and 0 <= self._live_steps - cached[1] < CHOICE_REFRESH:
+            best = cached[0]
+        else:
+            times = self.step_costs(bucket, modes)
+            rates = {m: (1 + acceptance[m] if m != "target" else 1) / times[m]
+                     for m in modes if m == "target" or m in acceptance}
+            best = max(rates, key=lambda m: (rates[m], m == mode)) if known else mode
+            if probe and len(rates) == len(modes) and all((bucket, m) in self.live_step_ms for m in modes):
+                # NOTE: only once every step has live estimates here: before, each new one may change the choice
+                self._best[key] = (best, self._live_steps)
         if probe:
             self._live_steps += 1
             chosen = best
@@ -855,24 +880,27 @@ class Engine:
             # NOTE: a target step gains one token: it is probed only for its live time, once per bucket (as soon as
             # the best step has one there) and then every TARGET_REFRESH-th step
             target_probe = self.time_live_steps and best != "target" and "target" in modes
-            if unknown and mode in rates:  # NOTE: a step never measured runs once the first one has an estimate
+            if unknown and known:  # NOTE: a step never measured runs once the first one has an estimate
                 best = unknown[0]
             elif target_probe and (bucket, "target") not in self.live_step_ms and (bucket, best) in self.live_step_ms:
                 best = "target"
             elif self._live_steps % FALLBACK_PROBE == 0:
                 if target_probe and self._live_steps % TARGET_REFRESH == 0:
                     others.append("target")
-                period = self._target_period.get((bucket, self._traffic), TARGET_PROBE)
+                entry = self._target_period.get(key)
+                # NOTE: new traffic (as many requests started as the bucket holds) is probed as a fallback's start is
+                period = TARGET_PROBE if entry is None or self._admitted - entry[1] >= bucket else entry[0]
                 if others and (chosen != "target" or self._live_steps % period == 0):
                     best = min(others, key=lambda m: self._last_run.get(m, -1))
                     if chosen == "target":  # NOTE: back to TARGET_PROBE once a probe wins the bucket back
-                        self._target_period[bucket, self._traffic] = min(2 * period, TARGET_PROBE_MAX)
+                        self._target_period[key] = (min(2 * period, TARGET_PROBE_MAX), self._admitted)
             if chosen != "target":
-                self._target_period.pop((bucket, self._traffic), None)
+                self._target_period.pop(key, None)
             # NOTE: a probe that leaves or enters target-only steps runs PROBE_RUN steps: a cycle commits the step
             # before the one it launches, so only the run's later cycles are the probed step's own (`host_ms`)
             if best != chosen and "target" in (best, chosen) and PROBE_RUN > 1:
                 self._probe_run = (best, PROBE_RUN - 1)
+                self._best.pop(key, None)
             self._last_run[best] = self._live_steps
         return best
 
@@ -883,26 +911,36 @@ class Engine:
         and live times compare on one scale; at least the host's own work per cycle of that mode (`host_ms`),
         which the overlap schedule cannot hide, and the wall time of such a cycle (`wall_ms`: device, host and
         the gaps between them), target-only's host work and wall time each at most the speculative modes' least."""
-        # NOTE: plain floats, not numpy: this runs before every decode step, whose host cycle at concurrency 1 is
-        # ~0.3 ms on the demo pair (np.mean made `_mode_for` ~15 us on a 2-core CPU, ~5.5 us without)
+        # NOTE: plain floats and loops, no numpy and no dicts built per mode: this runs before every decode step, whose
+        # host cycle at concurrency 8 is ~0.2 ms on the demo pair (np.mean made `_mode_for` ~15 us on a 2-core CPU;
+        # comprehensions over dicts ~9 us, ~6 of them here, which cost a served fallback ~10% against the default with
+        # the same steps: `benchmarks/serve_host_cpu.py --gpu-choice`)
         start, step_ms = self.runner.policy_ms[bucket], self.live_step_ms
-        live = {m: step_ms[bucket, m] for m in modes if (bucket, m) in step_ms}
-        scale = sum(live[m] / start[m] for m in live) / len(live) if live else 1.0
-        cost = {m: live[m] if m in live else start[m] * scale for m in modes}
+        keys = [(bucket, m) for m in modes]
+        cost = [step_ms.get(k) for k in keys]
+        ratio, live = 0.0, 0
+        for m, c in zip(modes, cost):
+            if c is not None:
+                ratio, live = ratio + c / start[m], live + 1
+        scale = ratio / live if live else 1.0
+        cost = [start[m] * scale if c is None else c for m, c in zip(modes, cost)]
+        target = modes.index("target") if "target" in modes else -1
         for measured in (self.host_ms, self.wall_ms):
-            floor = {m: measured[bucket, m] for m in modes if (bucket, m) in measured}
-            if not floor:
+            floor = [measured.get(k) for k in keys]
+            known = [f for f in floor if f is not None]
+            if not known:
                 continue
-            speculative = [floor[m] for m in floor if m != "target"]
-            if "target" in floor and speculative:
+            if target >= 0 and floor[target] is not None and len(known) > 1:
                 # NOTE: a target-only cycle does a part of a speculative one's work (one token per request to commit
                 # and stream, no drafts, a shorter step): at most the speculative modes' least. Its samples come
                 # mostly from probes between speculative steps, which read high (host work 0.40-0.52 ms against 0.28
                 # in its own runs on an H100, T = 1, concurrency 1); an estimate that started from them would keep a
                 # bucket speculating at any acceptance
-                floor["target"] = min(floor["target"], min(speculative))
-            fallback = sum(floor.values()) / len(floor)  # NOTE: a mode not measured yet: the measured ones' mean
-            cost = {m: max(cost[m], floor.get(m, fallback)) for m in modes}
+                floor[target] = min(floor[target], min(f for i, f in enumerate(floor) if i != target and f is not None))
+                known = [f for f in floor if f is not None]
+            fallback = sum(known) / len(known)  # NOTE: a mode not measured yet: the measured ones' mean
+            cost = [max(c, fallback if f is None else f) for c, f in zip(cost, floor)]
+        cost = dict(zip(modes, cost))
         return cost
 
     def _decode(self, requests: list[Request]) -> list[Request]:

@@ -664,6 +664,7 @@ class StepRunner:
         self.sampling_backend = target.kernels.fused  # the sampler's kernels: chunk sums, draws, inverse CDF
         self.device = torch.device(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)
+        self._bucket_table: tuple[list[int], list[int]] | None = None  # (buckets, n -> bucket), built at first use
         if self.buckets[-1] < max_batch or self.buckets[0] < 1:
             raise ValueError(f"graph buckets {self.buckets} must be >= 1 and reach max_running_requests={max_batch}")
         self.max_pages, self.page_size = max_pages, page_size
@@ -714,7 +715,14 @@ class StepRunner:
             self._knots_copied.record()
 
     def bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
+        """The smallest bucket of at least n rows (a table lookup: several calls per decode step)."""
+        table = self._bucket_table
+        if table is None or table[0] != self.buckets:
+            sizes = list(self.buckets)
+            table = self._bucket_table = (sizes, [next(b for b in sizes if b >= i) for i in range(sizes[-1] + 1)])
+        if n >= len(table[1]):
+            raise ValueError(f"a batch of {n} requests exceeds the largest step bucket, {self.buckets[-1]}")
+        return table[1][n]
 
     def mode_for(self, n: int) -> str:
         """The step a batch of n live requests runs: DScale's decision, or full width (DFlash, DScale at or
