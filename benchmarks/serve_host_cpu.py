@@ -85,9 +85,9 @@ def cache_device_steps() -> None:
 
 def emulate_gpu_choice() -> None:
     """Give every engine the live state of a captured CUDA engine, which a CPU engine lacks: its cycles feed
-    `host_ms` / `wall_ms`, its committed steps `live_step_ms` (here the cached steps' wall time), its buckets have
-    start-up step times and device times per step (DEVICE_MS), and `--target-fallback true` turns the fallback on (a
-    CPU runner keeps it off without graphs)."""
+    `host_ms` / `wall_ms` (a cached step's one real run left out), its committed steps `live_step_ms`, its buckets have
+    start-up step times, each step reports DEVICE_MS as its device time, and `--target-fallback true` turns the
+    fallback on (a CPU runner keeps it off without graphs)."""
     from dscale_runtime.engine import Engine
     from dscale_runtime.runner import StepRunner
 
