@@ -113,19 +113,24 @@ def served(concurrency: list[int], args) -> list[dict]:
     return out
 
 
+def generate_args(parser: argparse.ArgumentParser, repeats: int, min_seconds: float) -> None:
+    """The `generate` rounds' options (`demo_gpu_e2e.run_points`), shared with fallback_switches_gpu.py."""
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--min-seconds", type=float, default=min_seconds)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--predictor", type=Path, default=DEMO_DIR.parent / "demo.pt")
+    parser.add_argument("--out", type=Path, default=None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32], help="replayed buckets")
     parser.add_argument("--context", type=int, default=256, help="replayed rows' context length")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8])
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--min-seconds", type=float, default=1.5)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--predictor", type=Path, default=DEMO_DIR.parent / "demo.pt")
-    parser.add_argument("--out", type=Path, default=None)
+    generate_args(parser, repeats=3, min_seconds=1.5)
     args = parser.parse_args()
     result = {"command": "python benchmarks/fallback_cost_gpu.py " + " ".join(sys.argv[1:]),
               "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),

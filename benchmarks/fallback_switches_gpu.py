@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from demo_gpu_e2e import build, run_points
+from fallback_cost_gpu import generate_args
 
-from dscale_runtime.demo.prompts import DEMO_DIR, stdlib_prompts
+from dscale_runtime.demo.prompts import stdlib_prompts
 
 
 def traced_switches(engine, log: list[dict]) -> None:
@@ -59,13 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--min-seconds", type=float, default=1.0)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--predictor", type=Path, default=DEMO_DIR.parent / "demo.pt")
-    parser.add_argument("--out", type=Path, default=None)
+    generate_args(parser, repeats=5, min_seconds=1.0)
     args = parser.parse_args()
     prompts = [p["prompt"] for p in stdlib_prompts()[: args.prompts]]
     result = {"command": "python benchmarks/fallback_switches_gpu.py " + " ".join(sys.argv[1:]),

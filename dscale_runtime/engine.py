@@ -610,8 +610,9 @@ class Engine:
         return finished
 
     @staticmethod
-    def _prefill_groups(batch: list[Request], largest: int | None) -> list[list[Request]]:
-        """The step's prefill batch as consecutive groups of at most `largest` chunk tokens each (one group without
+    def _prefill_groups(batch: list, largest: int | None, sizes: list[int] | None = None) -> list[list]:
+        """The step's prefill batch (requests, their `prefill_chunk` tokens each, or items of `sizes` tokens: the
+        drafter context's catch-up chunks) as consecutive groups of at most `largest` tokens each (one group without
         buckets): each group is one prefill in a bucket, captured on CUDA, where the whole batch above the largest
         bucket would run eagerly. (With max_model_len below the budget, requests admitted together exceeded it: the
         demo pair's target-only engine at c = 8, whose requests all finish on one step, ran 31 eager prefills of more
@@ -619,12 +620,12 @@ class Engine:
         if largest is None:
             return [batch]
         groups, tokens = [[]], 0
-        for request in batch:
-            if groups[-1] and tokens + request.prefill_chunk > largest:
+        for item, size in zip(batch, sizes if sizes is not None else [r.prefill_chunk for r in batch]):
+            if groups[-1] and tokens + size > largest:
                 groups.append([])
                 tokens = 0
-            groups[-1].append(request)
-            tokens += request.prefill_chunk
+            groups[-1].append(item)
+            tokens += size
         return groups
 
     def _overlapping(self) -> bool:
@@ -746,9 +747,10 @@ class Engine:
                        for rule, r in zip(rules, requests))
         return sampled, filtered
 
-    def _step_kind(self, requests: list[Request], mode: str) -> StepKind:
-        """The kind of this batch's step: decided on the host from the requests' sampling parameters."""
-        sampled, filtered = self._traffic_of(requests)
+    def _step_kind(self, requests: list[Request], mode: str, traffic: tuple[bool, bool] | None = None) -> StepKind:
+        """The kind of this batch's step: decided on the host from the requests' sampling parameters (`traffic`:
+        their `_traffic_of`, where the caller has it)."""
+        sampled, filtered = traffic if traffic is not None else self._traffic_of(requests)
         rules = [r.sampling[3] for r in requests]
         traced = bool(self.step_observers) and mode != "target"
         return StepKind(mode, sampled=sampled, filtered=filtered,
@@ -804,7 +806,8 @@ class Engine:
         over those tokens through the prefill runner (captured token buckets on CUDA), which captures the layers the
         drafter reads and injects them, and rewrites the target's K/V there with what it holds (the same tokens at
         the same positions; its pages are the request's own: registered pages end before `context_from`). No token
-        is drawn. Pieces of at most the largest bucket's tokens, one piece of a request per prefill."""
+        is drawn. Pieces of at most the largest bucket's tokens, one piece of a request per prefill, grouped as a step's
+        prefill is (`_prefill_groups`; a decode batch never holds more requests than a prefill does)."""
         largest = self.prefiller.buckets[-1] if self.prefiller.pad and self.prefiller.buckets else None
         starts = [r.context_from for r in requests]
         while True:
@@ -816,15 +819,8 @@ class Engine:
                     starts[i] = end
             if not chunks:
                 break
-            group, tokens = [], 0
-            for chunk in chunks:
-                if group and (len(group) == self.prefiller.max_requests
-                              or (largest is not None and tokens + len(chunk.tokens) > largest)):
-                    self.prefiller.run(group)
-                    group, tokens = [], 0
-                group.append(chunk)
-                tokens += len(chunk.tokens)
-            self.prefiller.run(group)
+            for group in self._prefill_groups(chunks, largest, [len(c.tokens) for c in chunks]):
+                self.prefiller.run(group)
             self.counters.context_tokens += sum(len(c.tokens) for c in chunks)
         for request in requests:
             request.context_from = None
@@ -973,7 +969,7 @@ class Engine:
         weight = self.acceptance_weight(bucket, mode)
         if self._cycle is not None:
             self._cycle[3] = (bucket, mode)
-        kind = self._step_kind(requests, mode)
+        kind = self._step_kind(requests, mode, traffic)
         ctx = [r.num_computed for r in requests]
         decode_steps = [r.stats.num_steps for r in requests]
         host = [r.ahead == 0 for r in requests]
