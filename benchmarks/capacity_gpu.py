@@ -57,8 +57,9 @@ def sync() -> None:
 
 def engine_for(models, args, **config) -> Engine:
     target, drafter = models
+    # NOTE: the mode's own steps throughout (random weights: the target fallback would leave speculation)
     cfg = EngineConfig(mode=args.mode, device=args.device, dtype=args.dtype, step_graphs=args.device == "cuda",
-                       **config)
+                       target_fallback=False, **config)
     return Engine(target, drafter if args.mode != "target" else None, cfg, eos_token_ids=set())
 
 

@@ -55,7 +55,7 @@ def run_mode(mode: str, models, args, mixed: bool, overlap: bool = True) -> dict
     cfg = EngineConfig(mode=mode, max_running_requests=args.concurrency, device=args.device, dtype=args.dtype,
                        max_model_len=args.prompt_len + args.max_tokens + 32, step_graphs=args.device == "cuda",
                        graph_buckets=(args.concurrency,), sampling_rule=args.sampling_rule,
-                       overlap_schedule=overlap)
+                       overlap_schedule=overlap, target_fallback=False)  # NOTE: each mode's own steps
     t0 = time.perf_counter()
     engine = Engine(target, drafter if mode != "target" else None, cfg, eos_token_ids=set(),
                     predictor=predictor if mode == "dscale" else None,

@@ -40,6 +40,7 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
     engine.acceptance_by_traffic, engine._traffic = {}, (False, False)  # NOTE: one kind of batch throughout
     engine.live_step_ms, engine.host_ms, engine.time_live_steps = {}, {}, True
     engine.wall_ms, engine._target_period, engine._best, engine._admitted = {}, {}, {}, 0
+    engine.time_host, engine.cost_samples, engine._target_probes = True, {}, {}
     wall_fed = getattr(args, "wall", True)
     gaps = {"dflash": getattr(args, "dflash_gap_ms", 0.0), "target": getattr(args, "target_gap_ms", 0.0)}
     time_ms = tokens = 0.0
@@ -68,6 +69,7 @@ def simulate(args: argparse.Namespace, seed: int = 0) -> dict:
                 track_cost(engine.host_ms, (1, mode), host + (args.probe_host_extra if probed else 0.0))
                 if wall_fed:
                     track_cost(engine.wall_ms, (1, mode), wall + (args.probe_host_extra if probed else 0.0))
+                engine.cost_samples[1, mode] = engine.cost_samples.get((1, mode), 0) + 1
             got = min(got, left)
             left -= got
             tokens += got

@@ -38,7 +38,7 @@ from dscale_runtime.prefill import PrefillChunk  # noqa: E402
 def build(args) -> Engine:
     config = EngineConfig(mode=args.mode, device="cuda", dtype="bfloat16", step_graphs=True,
                           max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
-                          prefix_caching=False, **({"kv_cache_tokens": args.kv_cache_tokens}
+                          prefix_caching=False, target_fallback=False, **({"kv_cache_tokens": args.kv_cache_tokens}
                                                    if args.kv_cache_tokens else {}))
     if args.shape == "demo":
         return Engine.from_pretrained(DEMO_DIR / "target", DEMO_DIR / "drafter" if args.mode != "target" else None,

@@ -168,20 +168,10 @@ def bench_pass(url: str, concurrency: int, duration: float, warmup: int, out: Pa
     return report["points"][0]["median"]
 
 
-def steps_by_step(url: str) -> dict[str, float]:
-    """The server's decode steps so far by the step they ran (`/metrics`), warm-up passes included."""
-    import httpx
-
-    steps = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("dscale_decode_steps_by_step_total{"):
-            steps[line.split('step="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return steps
-
-
 def run_server(tree: Path, flags: str, port: int, args, out: Path) -> list[dict]:
     """Start one cached-step server of `tree` with `flags`, warm every bucket, then one measured pass per
     concurrency."""
+    from serve_paired import steps_by_step  # NOTE: not at import: a --serve process imports this module too
     env = {**os.environ, CACHED: "1", "DSCALE_TREE": str(tree), "PYTHONPATH": str(tree)}
     if args.gpu_choice:
         env[CHOICE] = "1"

@@ -104,10 +104,24 @@ def pin_tree(root: int, cpus: set[int]) -> int:
     return pinned
 
 
+def steps_by_step(url: str) -> dict[str, float]:
+    """A server's decode steps so far by the step they ran (`/metrics`: dflash, dscale, target), warm-ups included."""
+    import httpx
+
+    steps = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("dscale_decode_steps_by_step_total{"):
+            steps[line.split('step="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return steps
+
+
 def one_pass(config: BenchConfig, url: str, model: str, c: int, measured: list[dict], clients: Clients) -> dict:
-    before = read_counters(url)
+    """One closed-loop pass: dscale-bench's summary, with the decode steps it ran by step (`steps`)."""
+    before, steps = read_counters(url), steps_by_step(url)
     records, client_cpu = clients.run_pass(config, url, model, c, measured)
-    return summarise(records, before, read_counters(url), client_cpu)
+    summary = summarise(records, before, read_counters(url), client_cpu)
+    summary["steps"] = {k: v - steps.get(k, 0.0) for k, v in steps_by_step(url).items()}
+    return summary
 
 
 def paired(servers: dict[str, str], points: dict[str, dict], levels: list[int], rounds: int, pass_s: float,
@@ -156,7 +170,9 @@ def _paired(servers, points, levels, rounds, pass_s, num_requests, warmup, max_t
                          "acceptance_length": statistics.median(p["mean_acceptance_length"] for p in passes[name]),
                          "ttft_median": statistics.median(p["ttft_median"] for p in passes[name]),
                          "pass_s_min": min(p["duration"] for p in passes[name]),
-                         "client_cpu_max": max(p["client_cpu"] for p in passes[name])}
+                         "client_cpu_max": max(p["client_cpu"] for p in passes[name]),
+                         "steps_by_step": {k: sum(p.get("steps", {}).get(k, 0.0) for p in passes[name])
+                                           for k in sorted({k for p in passes[name] for k in p.get("steps", {})})}}
                 if core_sets:
                     entry["cores_rounds"] = cores[name]
                 if "target" in tok:

@@ -86,7 +86,17 @@ COST_DOWN_WEIGHT, COST_UP_WEIGHT = 0.3, 0.03
 What lands on a step beside its own work only adds time (a step probed between another mode's steps: on an H100 at
 T = 1, concurrency 1, the demo pair's target-only estimates read up to 0.35 ms of device time and 0.40-0.52 ms of
 host work while probed between DFlash steps, against 0.25-0.29 and 0.28-0.30 in runs of target-only steps), and a
-symmetric mean of such samples put the bucket back on DFlash steps (0.80x target-only's rate there) again and again."""
+symmetric mean of such samples put the bucket back on DFlash steps (0.80x target-only's rate there) again and again.
+A rise is at most COST_UP_WEIGHT of the estimate per sample: a served fallback on an H100 (T = 1, concurrency 1,
+2026-12-06) read its target-only cycles at 0.233 ms, then at 0.535 after one stalled cycle (~10 ms: +0.03 x 10 ms),
+and ran DFlash's dearer steps until probes brought the estimate back down."""
+COST_SAMPLES, COST_PROBES = 6, 4
+"""The live choice probes target-only steps (every FALLBACK_PROBE-th step, PROBE_RUN in a row) in a bucket where a
+speculative step is best until its host work and wall time there have COST_SAMPLES samples: the first ones may come
+from a cold or stalled cycle (an H100, demo pair, concurrency 8, T = 1: one probe's 0.45 ms per target-only cycle
+against 0.29 in their own runs kept the fallback on DFlash steps at 0.73x target-only's rate). At most COST_PROBES
+target-only probes of a bucket do so: where requests arrive every few steps most cycles hold a prefill and are no
+sample (served at concurrency 32, probing until the samples came ran 13% of a greedy server's steps target-only)."""
 CYCLE_WEIGHT = 0.1
 """Weight of each engine cycle in the running mean of the wall time between decode steps (`Engine.cycle_ms`)."""
 CYCLE_REFERENCE_CAP = 8.0
@@ -101,13 +111,16 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
 
 def track_cost(estimates: dict, key, sample: float) -> None:
     """Update `estimates[key]`, a running estimate of a cost's floor: the first sample sets it, a later one moves it
-    by COST_DOWN_WEIGHT of the difference where lower, COST_UP_WEIGHT where higher (a real rise, e.g. sampled
-    traffic's longer steps, is followed over ~30 of the mode's samples)."""
+    by COST_DOWN_WEIGHT of the difference where lower, COST_UP_WEIGHT of it where higher, but up by at most
+    COST_UP_WEIGHT of the estimate itself (a real rise, e.g. sampled traffic's longer steps, is followed over ~25-30
+    of the mode's samples; one stalled cycle is not a rise: see COST_UP_WEIGHT)."""
     old = estimates.get(key)
     if old is None:
         estimates[key] = sample
+    elif sample < old:
+        estimates[key] = old + COST_DOWN_WEIGHT * (sample - old)
     else:
-        estimates[key] = old + (COST_DOWN_WEIGHT if sample < old else COST_UP_WEIGHT) * (sample - old)
+        estimates[key] = old + COST_UP_WEIGHT * min(sample - old, old)
 
 
 class Engine:
@@ -249,6 +262,10 @@ class Engine:
         self.time_host = self.time_live_steps and self.device.type == "cuda"
         """Whether cycles update `host_ms` and `wall_ms` (captured CUDA steps, whose device times are measured
         apart)."""
+        self.cost_samples: dict[tuple[int, str], int] = {}
+        """(bucket, step mode) -> how many cycles `host_ms` and `wall_ms` have taken there (COST_SAMPLES)."""
+        self._target_probes: dict[int, int] = {}
+        """bucket -> target-only probes run there out of a speculative best step (COST_PROBES)."""
         self._live_steps = 0
         self._probe_run: tuple[str, int] | None = None
         """The probed step and how many more steps in a row it runs (PROBE_RUN in all)."""
@@ -557,6 +574,7 @@ class Engine:
             wall = (now - last[0]) * 1e3
             track_cost(self.host_ms, last[3], max(0.0, wall - last[2]))  # key (bucket, mode)
             track_cost(self.wall_ms, last[3], wall)
+            self.cost_samples[last[3]] = self.cost_samples.get(last[3], 0) + 1
         self._cycle = [now, (last[1] << 1) & 0b110 if last is not None else 0b110, 0.0, None, set()]
 
     def _waited(self, ms: float) -> None:
@@ -838,7 +856,8 @@ class Engine:
         ~5% of the time at concurrency 1 on the demo pair at T = 1, rather than the 13% of one step in 16); each
         probe after which target-only steps stay best doubles the (bucket, batch kind)'s period, up to
         `TARGET_PROBE_MAX`. Acceptance is read for the batch's kind (`live_acceptance`). With live times a
-        target-only step is probed too, once per bucket and then every `TARGET_REFRESH`-th step, for `PROBE_RUN`
+        target-only step is probed too, once per bucket, then every `FALLBACK_PROBE`-th step until its cycles there
+        have COST_SAMPLES samples (COST_PROBES probes at most), then every `TARGET_REFRESH`-th step, for `PROBE_RUN`
         steps in a row."""
         mode = self.runner.mode_for(n)
         modes = self.runner.live_modes(n) if not self.step_observers else [mode]
@@ -881,7 +900,9 @@ class Engine:
             elif target_probe and (bucket, "target") not in self.live_step_ms and (bucket, best) in self.live_step_ms:
                 best = "target"
             elif self._live_steps % FALLBACK_PROBE == 0:
-                if target_probe and self._live_steps % TARGET_REFRESH == 0:
+                if target_probe and (self._live_steps % TARGET_REFRESH == 0 or (
+                        self.time_host and self.cost_samples.get((bucket, "target"), 0) < COST_SAMPLES
+                        and self._target_probes.get(bucket, 0) < COST_PROBES)):
                     others.append("target")
                 entry = self._target_period.get(key)
                 # NOTE: new traffic (as many requests started as the bucket holds) is probed as a fallback's start is
@@ -894,6 +915,8 @@ class Engine:
                 self._target_period.pop(key, None)
             # NOTE: a probe that leaves or enters target-only steps runs PROBE_RUN steps: a cycle commits the step
             # before the one it launches, so only the run's later cycles are the probed step's own (`host_ms`)
+            if best == "target" != chosen:
+                self._target_probes[bucket] = self._target_probes.get(bucket, 0) + 1
             if best != chosen and "target" in (best, chosen) and PROBE_RUN > 1:
                 self._probe_run = (best, PROBE_RUN - 1)
                 self._best.pop(key, None)

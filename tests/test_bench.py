@@ -499,7 +499,8 @@ def test_serve_paired_takes_each_ratio_within_its_round(monkeypatch, capsys):
         order.append(url)
         drift = (1.0, 3.0, 2.0)[(len(order) - 1) // 3 % 3]  # NOTE: three servers, three passes a round
         return {"output_throughput": 100 * c * speed[url] * drift, "mean_acceptance_length": 2.0,
-                "ttft_median": 0.01, "duration": 1.5, "client_cpu": 0.1 * len(order)}
+                "ttft_median": 0.01, "duration": 1.5, "client_cpu": 0.1 * len(order),
+                "steps": {"dflash": 10.0, "target": 1.0} if url == "slow" else {"target": 5.0}}
 
     monkeypatch.setattr(paired, "one_pass", one_pass)
     monkeypatch.setattr(paired, "server_identity", lambda url: ("m", url))
@@ -517,6 +518,9 @@ def test_serve_paired_takes_each_ratio_within_its_round(monkeypatch, capsys):
         assert s["slow"]["vs_best_range"] == pytest.approx([0.95, 0.95])
         assert s["fast"]["vs_target"] == pytest.approx(2.0) and s["fast"]["tok_s"] == 200 * row["concurrency"] * 2.0
     assert rows[0]["servers"]["target"]["client_cpu_max"] == pytest.approx(0.8)  # its passes: 1st, 6th and 8th
+    # the decode steps each server ran, by step, summed over its passes
+    assert rows[0]["servers"]["slow"]["steps_by_step"] == {"dflash": 30.0, "target": 3.0}
+    assert rows[0]["servers"]["fast"]["steps_by_step"] == {"target": 15.0}
     assert "| greedy | 8 |" in paired.table(rows)
     # pinned servers trade core sets round by round: each gets each set once in three rounds
     pins = []

@@ -480,6 +480,44 @@ def test_live_costs_follow_the_floor_of_their_samples(pair):  # noqa: F811
     for _ in range(150):
         track_cost(costs, "k", 2.0)
     assert costs["k"] > 1.95
+    # One stalled cycle is not a rise: an H100 server's target-only cycles read 0.233 ms, then 0.535 after a ~10 ms one
+    costs = {"k": 0.233}
+    track_cost(costs, "k", 10.0)
+    assert costs["k"] == pytest.approx(0.233 * (1 + COST_UP_WEIGHT))
+
+
+def test_target_only_steps_are_probed_until_their_cycles_have_enough_samples(pair):  # noqa: F811
+    """A bucket where DFlash is best probes target-only steps every FALLBACK_PROBE-th step (PROBE_RUN in a row)
+    until its host work and wall time there rest on COST_SAMPLES cycles (COST_PROBES probes at most), then every
+    TARGET_REFRESH-th step only: a
+    first probe's cold cycle (0.45 ms against 0.29 in target-only runs, an H100 at concurrency 8) is not the estimate
+    the bucket keeps."""
+    from dscale_runtime.engine import COST_PROBES, COST_SAMPLES, FALLBACK_PROBE, PROBE_RUN, TARGET_REFRESH
+
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    engine.time_live_steps = engine.time_host = True
+    bucket = engine.runner.bucket(1)
+    engine.live_acceptance["dflash"] = 2.0
+    engine.live_step_ms[bucket, "dflash"], engine.live_step_ms[bucket, "target"] = 1.0, 1.0
+    engine._live_steps = 0
+    runs = []
+    for _ in range(4 * FALLBACK_PROBE):
+        runs.append(engine._mode_for(1))
+        if runs[-1] == "target":  # NOTE: each probed step's cycle counts as a sample here
+            engine.cost_samples[bucket, "target"] = engine.cost_samples.get((bucket, "target"), 0) + 1
+    starts = [i for i, m in enumerate(runs) if m == "target" and (i == 0 or runs[i - 1] != "target")]
+    assert [runs[i : i + PROBE_RUN] for i in starts] == [["target"] * PROBE_RUN] * len(starts)
+    assert len(starts) == -(-COST_SAMPLES // PROBE_RUN) and starts[0] == FALLBACK_PROBE - 1, runs
+    later = [engine._mode_for(1) for _ in range(TARGET_REFRESH)]
+    assert later.count("target") == PROBE_RUN  # the refresh only
+    # where cycles hold prefills (requests arriving every few steps) no sample may come: COST_PROBES probes at most
+    engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
+    engine.time_live_steps = engine.time_host = True
+    engine.live_acceptance["dflash"] = 2.0
+    engine.live_step_ms[bucket, "dflash"], engine.live_step_ms[bucket, "target"] = 1.0, 1.0
+    engine._live_steps = 0
+    runs = [engine._mode_for(1) for _ in range(TARGET_REFRESH - 1)]
+    assert runs.count("target") == COST_PROBES * PROBE_RUN and engine.cost_samples == {}
 
 
 def test_target_fallback_keeps_speculating_when_drafts_are_accepted(pair):  # noqa: F811
