@@ -1,12 +1,14 @@
 """Every decode cycle of one `generate` pass, with what the live choice's cost tables took from it (issue 25).
 
 On an H100 (2026-12-06) the target fallback's estimate of a target-only cycle's wall time read 0.41-0.42 ms at T = 1,
-concurrency 1, in-process and served alike, while the engine ran ~0.29 ms per step with 95% of its steps target-only:
-the choice then compared DFlash against a target-only step ~45% dearer than it was, and a served fallback ran a
-quarter of its T = 1 steps as DFlash. This script shows which cycles feed `Engine.wall_ms` / `host_ms` and what
-they measure: each `step` call's wall time, the step it launched, the steps it committed, its wait for the device,
-its prefill flags, and whether `_time_cycle` took it as a sample; grouped by (launched, committed, sampled) with
-count and medians, for the fallback engine and a target-only engine side by side (the same prompts, one process).
+concurrency 1, at the end of some runs, while the engine ran ~0.29 ms per step with 95% of its steps target-only, and
+a served fallback ran a quarter of its T = 1 steps as DFlash. This script shows which cycles feed `Engine.wall_ms` /
+`host_ms` and what they measure: each `step` call's wall time, the step it launched, the steps it committed, its wait
+for the device, its prefill flags, and whether `_time_cycle` took it as a sample; grouped by (launched, committed,
+sampled) with count and medians, for the fallback engine and a target-only engine side by side (the same prompts, one
+process). Its first run found the sampled cycles typical at concurrency 1 and, at concurrency 8, a bucket whose
+target-only estimate rested on a warm-up probe's cycle or two (0.45 ms against 0.29): hence `COST_SAMPLES` and the
+capped rise of `track_cost` (docs/benchmarks.md).
 
     python benchmarks/fallback_cycles_gpu.py --concurrency 1 --out cycles.json
 """
