@@ -36,7 +36,7 @@ from dscale_runtime.engine import Engine
 
 
 def record_cycles(engine: Engine) -> list[dict]:
-    """Wrap the engine's `_time_cycle` so each call appends the cycle that just ended (the state `_time_cycle` reads)."""
+    """Wrap the engine's `_time_cycle`: each call appends the cycle that just ended (the state `_time_cycle` reads)."""
     cycles: list[dict] = []
     original = engine._time_cycle
 
