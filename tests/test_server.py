@@ -268,7 +268,7 @@ def run_clients(url: str, jobs: list, one, clients: int, timeout: float) -> None
 
 def test_256_requests_from_64_clients_equal_sequential_greedy(demo_server, demo_reference):
     prompts = short_prompts(32)
-    limits = [16 + 8 * (i % 2) for i in range(len(prompts))]
+    limits = [8 + 4 * (i % 2) for i in range(len(prompts))]  # NOTE: 2-4 steps each, enough to mix batches; CI's time
     want = demo_reference.generate(prompts, [SamplingParams(temperature=0, max_tokens=m) for m in limits])
     jobs = list(range(256))
     results: dict[int, tuple[int, str, str | None]] = {}
