@@ -129,7 +129,7 @@ def test_dscale_decisions_through_the_triton_kernels_equal_the_reference(pair, p
     prompts, _ = prompt_set(12, seed=11)
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     continuations = make_engine(pair, "target").generate(prompts, long)
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
     want = make_engine(pair, "target").generate(prompts, params)
     runs = []
     for backend in ("ref", "triton"):
