@@ -599,7 +599,7 @@ def test_agreement_features_follow_each_request_through_chunks_cache_and_preempt
     rng = random.Random(8)
     motifs = [[rng.randrange(90) for _ in range(rng.randint(3, 7))] for _ in range(3)]
     prompts = [[m[i % len(m)] for i in range(rng.randint(20, 70))] for m in motifs for _ in range(4)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(16, 40), ignore_eos=True) for _ in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(12, 32), ignore_eos=True) for _ in prompts]
     cfg = EngineConfig(mode="dflash", max_model_len=MAX_LEN, max_running_requests=12,
                        kv_cache_tokens=3 * (MAX_LEN + 32), prefix_caching=True, chunked_prefill_tokens=20)
     assert Engine.from_pretrained(*pair, config=cfg).runner.token_ring == 0  # untraced DFlash: no ring kept
