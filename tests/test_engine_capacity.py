@@ -489,9 +489,8 @@ def test_live_costs_follow_the_floor_of_their_samples(pair):  # noqa: F811
 def test_target_only_steps_are_probed_until_their_cycles_have_enough_samples(pair):  # noqa: F811
     """A bucket where DFlash is best probes target-only steps every FALLBACK_PROBE-th step (PROBE_RUN in a row)
     until its host work and wall time there rest on COST_SAMPLES cycles (COST_PROBES probes at most), then every
-    TARGET_REFRESH-th step only: a
-    first probe's cold cycle (0.45 ms against 0.29 in target-only runs, an H100 at concurrency 8) is not the estimate
-    the bucket keeps."""
+    TARGET_REFRESH-th step only: a first probe's cold cycle (0.45 ms against 0.29 in target-only runs, an H100 at
+    concurrency 8) is not the estimate the bucket keeps."""
     from dscale_runtime.engine import COST_PROBES, COST_SAMPLES, FALLBACK_PROBE, PROBE_RUN, TARGET_REFRESH
 
     engine = fallback_engine(make_engine(pair, "dflash", max_running_requests=2), 1.0, 1.0)
