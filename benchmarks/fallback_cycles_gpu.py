@@ -41,14 +41,13 @@ def record_cycles(engine: Engine) -> list[dict]:
     original = engine._time_cycle
 
     def time_cycle() -> None:
-        now, last = time.perf_counter(), engine._cycle
-        if last is not None:
+        now, last, samples = time.perf_counter(), engine._cycle, sum(engine.cost_samples.values())
+        original()
+        if last is not None:  # NOTE: sampled: whether the engine's own rule took the cycle (`Engine.cost_samples`)
             launched = last[3]
-            sampled = bool(not last[1] and launched is not None and engine.time_host and last[4] <= {launched[1]})
             cycles.append({"wall_ms": (now - last[0]) * 1e3, "waited_ms": last[2], "flags": last[1],
                            "launched": None if launched is None else f"{launched[1]}@{launched[0]}",
-                           "committed": sorted(last[4]), "sampled": sampled})
-        original()
+                           "committed": sorted(last[4]), "sampled": sum(engine.cost_samples.values()) > samples})
 
     engine._time_cycle = time_cycle
     return cycles

@@ -172,6 +172,7 @@ def run_server(tree: Path, flags: str, port: int, args, out: Path) -> list[dict]
     """Start one cached-step server of `tree` with `flags`, warm every bucket, then one measured pass per
     concurrency."""
     from serve_paired import steps_by_step  # NOTE: not at import: a --serve process imports this module too
+    from dscale_runtime.bench import read_counters
     env = {**os.environ, CACHED: "1", "DSCALE_TREE": str(tree), "PYTHONPATH": str(tree)}
     if args.gpu_choice:
         env[CHOICE] = "1"
@@ -206,7 +207,7 @@ def run_server(tree: Path, flags: str, port: int, args, out: Path) -> list[dict]
             names = thread_names(server.pid, used)
             tokens = point["completion_tokens"]
             rows.append({"concurrency": c, "tok_s": tokens / point["duration"], "duration": point["duration"],
-                         "steps_by_step": steps_by_step(url),
+                         "steps_by_step": steps_by_step(read_counters(url)),
                          "requests": point["requests"], "cpu_s": sum(used.values()),
                          "cpu_us_per_token": 1e6 * sum(used.values()) / tokens,
                          "threads_us_per_token": {names[k]: round(1e6 * v / tokens, 2) for k, v in

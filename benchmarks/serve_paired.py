@@ -104,23 +104,20 @@ def pin_tree(root: int, cpus: set[int]) -> int:
     return pinned
 
 
-def steps_by_step(url: str) -> dict[str, float]:
-    """A server's decode steps so far by the step they ran (`/metrics`: dflash, dscale, target), warm-ups included."""
-    import httpx
-
-    steps = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("dscale_decode_steps_by_step_total{"):
-            steps[line.split('step="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return steps
+def steps_by_step(counters: dict[str, float]) -> dict[str, float]:
+    """A server's decode steps so far by the step they ran (dflash, dscale, target), from its `read_counters`."""
+    return {name.split('step="')[1].split('"')[0]: value for name, value in counters.items()
+            if name.startswith("dscale_decode_steps_by_step_total{")}
 
 
 def one_pass(config: BenchConfig, url: str, model: str, c: int, measured: list[dict], clients: Clients) -> dict:
     """One closed-loop pass: dscale-bench's summary, with the decode steps it ran by step (`steps`)."""
-    before, steps = read_counters(url), steps_by_step(url)
+    before = read_counters(url)
     records, client_cpu = clients.run_pass(config, url, model, c, measured)
-    summary = summarise(records, before, read_counters(url), client_cpu)
-    summary["steps"] = {k: v - steps.get(k, 0.0) for k, v in steps_by_step(url).items()}
+    after = read_counters(url)
+    summary = summarise(records, before, after, client_cpu)
+    steps = steps_by_step(before)
+    summary["steps"] = {k: v - steps.get(k, 0.0) for k, v in steps_by_step(after).items()}
     return summary
 
 

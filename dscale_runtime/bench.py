@@ -323,11 +323,13 @@ async def closed_loop(url: str, model: str, requests: list[dict], concurrency: i
 
 
 def read_counters(url: str) -> dict[str, float]:
+    """A server's /metrics samples by metric name (a labelled family: its last series), each labelled series also
+    under its full name (`dscale_decode_steps_by_step_total{model_name="m",step="dflash"}`)."""
     counters = {}
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            counters[name.split("{")[0]] = float(value)
+            counters[name.split("{")[0]] = counters[name] = float(value)
     return counters
 
 

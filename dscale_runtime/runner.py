@@ -664,9 +664,9 @@ class StepRunner:
         self.sampling_backend = target.kernels.fused  # the sampler's kernels: chunk sums, draws, inverse CDF
         self.device = torch.device(device)
         self.buckets = sorted(buckets) if buckets else default_buckets(max_batch)
-        self._bucket_table: tuple[list[int], list[int]] | None = None  # (buckets, n -> bucket), built at first use
         if self.buckets[-1] < max_batch or self.buckets[0] < 1:
             raise ValueError(f"graph buckets {self.buckets} must be >= 1 and reach max_running_requests={max_batch}")
+        self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(self.buckets[-1] + 1)]
         self.max_pages, self.page_size = max_pages, page_size
         self.use_graphs = use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -716,13 +716,9 @@ class StepRunner:
 
     def bucket(self, n: int) -> int:
         """The smallest bucket of at least n rows (a table lookup: several calls per decode step)."""
-        table = self._bucket_table
-        if table is None or table[0] != self.buckets:
-            sizes = list(self.buckets)
-            table = self._bucket_table = (sizes, [next(b for b in sizes if b >= i) for i in range(sizes[-1] + 1)])
-        if n >= len(table[1]):
+        if n >= len(self._bucket_of):
             raise ValueError(f"a batch of {n} requests exceeds the largest step bucket, {self.buckets[-1]}")
-        return table[1][n]
+        return self._bucket_of[n]
 
     def mode_for(self, n: int) -> str:
         """The step a batch of n live requests runs: DScale's decision, or full width (DFlash, DScale at or

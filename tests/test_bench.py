@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -518,6 +519,15 @@ def test_serve_paired_takes_each_ratio_within_its_round(monkeypatch, capsys):
         assert s["slow"]["vs_best_range"] == pytest.approx([0.95, 0.95])
         assert s["fast"]["vs_target"] == pytest.approx(2.0) and s["fast"]["tok_s"] == 200 * row["concurrency"] * 2.0
     assert rows[0]["servers"]["target"]["client_cpu_max"] == pytest.approx(0.8)  # its passes: 1st, 6th and 8th
+    # a server's steps by step come from its /metrics series (`read_counters` keeps each labelled series by full name)
+    from dscale_runtime import bench
+
+    text = ('# HELP x\ndscale_decode_steps_by_step_total{model_name="m",step="dflash"} 7.0\n'
+            'dscale_decode_steps_by_step_total{model_name="m",step="target"} 2.0\ndscale_request_steps_total 9.0\n')
+    monkeypatch.setattr(bench.httpx, "get", lambda url, timeout: types.SimpleNamespace(text=text))
+    counters = bench.read_counters("http://x")
+    assert counters["dscale_request_steps_total"] == 9.0
+    assert paired.steps_by_step(counters) == {"dflash": 7.0, "target": 2.0}
     # the decode steps each server ran, by step, summed over its passes
     assert rows[0]["servers"]["slow"]["steps_by_step"] == {"dflash": 30.0, "target": 3.0}
     assert rows[0]["servers"]["fast"]["steps_by_step"] == {"target": 15.0}
