@@ -40,8 +40,8 @@ from dscale_runtime.dvl.pack import PackedBatch, flat_pack, packed_metadata
 from dscale_runtime.dvl.predictor import seed_lengths
 from dscale_runtime.graphs import GraphedCall, collect_garbage, cuda_times
 from dscale_runtime.kv_cache import SCRATCH_PAGE
-from dscale_runtime.sampling import COIN, DRAFT, RESIDUAL, Policy, SamplingRows, make_policy, sample, target_tokens
-from dscale_runtime.verify import CandidatePolicy, accept_greedy, accept_sampled_drafts
+from dscale_runtime.sampling import DRAFT, Policy, SamplingRows, draft_draws, target_tokens
+from dscale_runtime.verify import CandidatePolicy, accept_greedy, accept_rules
 
 RULE_GREEDY, RULE_TOP1, RULE_SAMPLED = 0, 1, 2
 MODES = ("target", "dflash", "dscale")
@@ -333,12 +333,9 @@ class BucketStep:
         logits, hidden = r.drafter.propose(block, r.target, meta, r.drafter_caches, float_logits=False)
         q = None
         if kind.draft_sampling:
-            rows = buf.sampling_rows(r.sampling_backend)
-            per_slot = rows.rows(torch.arange(b, device=block.device).repeat_interleave(w - 1))
-            q = make_policy(logits.reshape(b * (w - 1), -1), per_slot, kind.filtered)
-            positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)  # [B, W-1] the drafts' indices
-            drawn = sample(q, rows.uniforms(positions, DRAFT).reshape(-1), rows.backend).view(b, w - 1)
-            block[:, 1:] = torch.where((buf.rule == RULE_SAMPLED)[:, None], drawn, block[:, 1:])
+            drafts, q = draft_draws(logits.view(b, w - 1, -1), buf.sampling_rows(r.sampling_backend), buf.ctx,
+                                    buf.rule == RULE_SAMPLED, kind.filtered, block[:, 1:])
+            block[:, 1:] = drafts
         return block, logits, hidden, q
 
     def decide(self, block: torch.Tensor, logits: torch.Tensor | None, hidden: torch.Tensor | None) -> Decision:
@@ -398,14 +395,11 @@ class BucketStep:
                                        max_index=b - 1, offset=1, with_policy=kind.draft_sampling)
         if not (top1 or kind.draft_sampling):
             return None, None, tokens
-        accepted, successor = accept_greedy(tokens, block, lens, offsets)
         if kind.draft_sampling:
-            w = block.shape[1]
-            positions = buf.ctx[:, None] + torch.arange(1, w, device=block.device)
-            s_acc, s_succ = accept_sampled_drafts(policy, q, block, tokens, lens, offsets, rows.uniforms(positions, COIN),
-                                                  rows.uniforms(buf.ctx + 1, RESIDUAL), rows.backend)
-            use = buf.rule == RULE_SAMPLED
-            accepted, successor = torch.where(use, s_acc, accepted), torch.where(use, s_succ, successor)
+            accepted, successor = accept_rules(policy, q, block, tokens, lens, offsets, buf.rule, RULE_SAMPLED, rows,
+                                               buf.ctx)
+        else:
+            accepted, successor = accept_greedy(tokens, block, lens, offsets)
         return accepted, successor, tokens
 
     def verify(self, block: torch.Tensor, q: Policy | None, decision: Decision) -> torch.Tensor:

@@ -111,10 +111,19 @@ class Policy:
     chunk_sums: torch.Tensor  # [R, C] float64
     chunk: int = CDF_CHUNK  # entries per chunk
     floor: torch.Tensor | None = None  # [R] fp32 lowest kept s (-inf: every entry; None: no filter at all)
+    row_total: torch.Tensor | None = None  # [R] float64 the rows' total weight where it was computed with them
 
     @property
     def total(self) -> torch.Tensor:  # [R] float64
-        return self.chunk_sums.sum(-1)
+        return self.chunk_sums.sum(-1) if self.row_total is None else self.row_total
+
+    @classmethod
+    def from_rows(cls, logits: torch.Tensor, stats: tuple, filtered: bool) -> "Policy":
+        """The policy of logits [R, V] from its rows' (shift, inv_t, floor, total) as `row_tokens_triton` stores
+        them beside the rows' tokens: one chunk the width of the row (the total its sum), no further pass."""
+        shift, inv_t, floor, total = stats
+        return cls(logits, shift, inv_t, total[:, None], 1 << max(logits.shape[1] - 1, 0).bit_length(),
+                   floor if filtered else None, total)
 
     @classmethod
     def dense(cls, weights: torch.Tensor, chunk: int = CDF_CHUNK) -> "Policy":
@@ -248,17 +257,19 @@ def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Ten
     A vocabulary of at most ROW_PROGRAM_VOCAB tokens on the Triton path takes one launch for the tokens
     (`triton_sampling.row_tokens_triton`: argmax, floor, chunk sums, draw and inverse CDF, the unfused kernels'
     arithmetic), whether or not the policy is also built, so every step and prefill draws a token by one
-    function."""
+    function; the policy then comes from the same launch (`Policy.from_rows`: its greedy rows hold placeholders,
+    finite, for a caller that reads only the sampled ones)."""
     backend = _resolved(rows.backend, logits)
     if _row_programs(logits, backend):
         from dscale_runtime.kernels.triton_sampling import row_tokens_triton
 
-        tokens = row_tokens_triton(logits, sampled, filtered, index, max_index, rows.greedy, rows.temperature,
-                                   rows.top_k, rows.top_p, rows.seed_lo, rows.seed_hi, positions, offset,
-                                   TARGET * _PURPOSE_KEY & _MASK32, _SECOND_KEY)
-        if not (sampled and with_policy):
-            return tokens, None
-        return tokens, make_policy(logits, rows if index is None else rows.rows(index.clamp(max=max_index)), filtered)
+        stats = sampled and with_policy
+        out = row_tokens_triton(logits, sampled, filtered, index, max_index, rows.greedy, rows.temperature,
+                                rows.top_k, rows.top_p, rows.seed_lo, rows.seed_hi, positions, offset,
+                                TARGET * _PURPOSE_KEY & _MASK32, _SECOND_KEY, stats=stats)
+        if not stats:
+            return out, None
+        return out[0], Policy.from_rows(logits, out[1], filtered)
     if not sampled:
         return logits.argmax(dim=-1), None
     gathered = rows if index is None else rows.rows(index.clamp(max=max_index))
@@ -269,3 +280,26 @@ def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Ten
     drawn = sample(policy, gathered.uniforms(positions, TARGET), gathered.backend)
     return torch.where(gathered.greedy, argmax, drawn), policy if with_policy else None
 
+
+def draft_draws(logits: torch.Tensor, rows: SamplingRows, ctx: torch.Tensor, drawn: torch.Tensor, filtered: bool,
+                argmax: torch.Tensor) -> tuple[torch.Tensor, Policy]:
+    """The drafts of the sampled-drafts rule: logits [B, S, V] of S draft slots per request (slot j at index
+    ctx + j + 1), each drawn from the drafter's policy q at u(seed, ctx + j + 1, DRAFT) where `drawn` [B] (bool)
+    and its argmax (`argmax` [B, S]) elsewhere -> (drafts [B, S], q over the B x S slots). On the Triton path a
+    vocabulary of at most ROW_PROGRAM_VOCAB tokens takes one launch for both (`row_tokens_triton` with its
+    rows' stats: the draws of `sample` on `make_policy`'s q); q's rows of undrawn requests then hold
+    placeholders (their drafts were not drawn from it, so no rule reads them)."""
+    b, slots, vocab = logits.shape
+    flat = logits.reshape(b * slots, vocab)
+    if _row_programs(flat, _resolved(rows.backend, flat)):
+        from dscale_runtime.kernels.triton_sampling import row_tokens_triton
+
+        tokens, stats = row_tokens_triton(flat, True, filtered, None, 0, ~drawn, rows.temperature, rows.top_k,
+                                          rows.top_p, rows.seed_lo, rows.seed_hi, ctx, 1, DRAFT * _PURPOSE_KEY & _MASK32,
+                                          _SECOND_KEY, per_request=slots, stats=True)
+        return tokens.view(b, slots), Policy.from_rows(flat, stats, filtered)
+    per_slot = rows.rows(torch.arange(b, device=logits.device).repeat_interleave(slots))
+    q = make_policy(flat, per_slot, filtered)
+    positions = ctx[:, None] + torch.arange(1, slots + 1, device=logits.device)  # [B, S] the drafts' indices
+    tokens = sample(q, rows.uniforms(positions, DRAFT).reshape(-1), rows.backend).view(b, slots)
+    return torch.where(drawn[:, None], tokens, argmax), q

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dscale_runtime.sampling import Policy, sample_inverse_cdf
+from dscale_runtime.kernels.sampling import _PURPOSE_KEY, _SECOND_KEY
+from dscale_runtime.sampling import COIN, RESIDUAL, Policy, SamplingRows, _resolved, sample_inverse_cdf
 
 
 @dataclass
@@ -101,3 +102,37 @@ def accept_sampled_drafts(
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_row)
     from_residual = sample_inverse_cdf(residual, residual_u, backend=backend)
     return accepted, torch.where(rejected, from_residual, target_tokens[succ_rows])
+
+
+def accept_rules(
+    target: Policy,  # p at every verification row [M, V]
+    draft: Policy | CandidatePolicy,  # q at each draft slot, rows n * (W-1) + j - 1
+    draft_tokens: torch.Tensor,  # [N, W] (slot 0 = anchor): top-1 drafts, or drawn from q where the rule samples them
+    target_tokens: torch.Tensor,  # [M] the rows' target tokens
+    verify_lens: torch.Tensor,  # [N]
+    verify_offsets: torch.Tensor,  # [N]
+    rule: torch.Tensor,  # [N] each request's rule: == rule_sampled for sampled drafts, else the top-1 rule
+    rule_sampled: int,
+    rows: SamplingRows,  # per request: the draws' seeds, and the sampler's path (`rows.backend`)
+    ctx: torch.Tensor,  # [N] context lengths: slot j's coin is keyed at ctx + j, the residual draw at ctx + 1
+) -> tuple[torch.Tensor, torch.Tensor]:  # accepted_lens [N], successor [N]
+    """Each request by its own rule in one batch: `accept_greedy` where it takes top-1 drafts, `accept_sampled_drafts`
+    (coins u(seed, ctx + j, COIN), residual u(seed, ctx + 1, RESIDUAL)) where it samples them. On the Triton path
+    with both policies kept as logits, one launch does both (`triton_sampling.accept_rules_triton`: the same
+    arithmetic, its sums rounded in their own order; the unfused step took ~100 launches)."""
+    values = target.values
+    if (_resolved(rows.backend, values) == "triton" and isinstance(draft, Policy) and draft.shift is not None
+            and target.shift is not None and values.stride(-1) == 1 and draft.values.stride(-1) == 1):
+        from dscale_runtime.kernels.triton_sampling import accept_rules_triton
+
+        return accept_rules_triton((values, target.shift, target.inv_t, target.floor, target.total),
+                                   (draft.values, draft.shift, draft.inv_t, draft.floor, draft.total), target_tokens,
+                                   draft_tokens, verify_lens, verify_offsets, rule, rule_sampled, rows.seed_lo,
+                                   rows.seed_hi, ctx, COIN * _PURPOSE_KEY & 0xFFFFFFFF,
+                                   RESIDUAL * _PURPOSE_KEY & 0xFFFFFFFF, _SECOND_KEY)
+    accepted, successor = accept_greedy(target_tokens, draft_tokens, verify_lens, verify_offsets)
+    positions = ctx[:, None] + torch.arange(1, draft_tokens.shape[1], device=draft_tokens.device)
+    s_acc, s_succ = accept_sampled_drafts(target, draft, draft_tokens, target_tokens, verify_lens, verify_offsets,
+                                          rows.uniforms(positions, COIN), rows.uniforms(ctx + 1, RESIDUAL), rows.backend)
+    use = rule == rule_sampled
+    return torch.where(use, s_acc, accepted), torch.where(use, s_succ, successor)

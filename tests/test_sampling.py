@@ -8,6 +8,7 @@ sampling for the top-1 rule, whose seeded output must equal it token for token w
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 
 import numpy as np
@@ -223,10 +224,19 @@ def test_one_launch_row_tokens_draw_what_the_unfused_kernels_draw(dtype, vocab, 
             assert got[0] == 5  # greedy: the first of two maximal logits
             assert torch.equal(got[[0, 6]], logits[[0, 6]].argmax(-1))  # rows of the greedy request
             if sampled and d == 0:
-                assert torch.equal(got_policy.chunk_sums, want_policy.chunk_sums)
-                assert (got_policy.floor is None) == (want_policy.floor is None)
+                # the policy stored by the same launch (`Policy.from_rows`) == the unfused one on the sampled rows
+                live = ~sampling.greedy[index.clamp(max=requests - 1)]
+                assert torch.equal(got_policy.shift[live], want_policy.shift[live])
+                assert torch.equal(got_policy.inv_t[live], want_policy.inv_t[live])
+                assert torch.allclose(got_policy.total[live], want_policy.total[live], rtol=1e-12, atol=0)
+                assert (got_policy.floor is None) == (want_policy.floor is None) == (not filtered)
                 if filtered:
-                    assert torch.equal(got_policy.floor, want_policy.floor)
+                    assert torch.equal(got_policy.floor[live], want_policy.floor[live])
+                at = torch.arange(rows, device=device)[live]
+                assert torch.allclose(got_policy.row_weights(at), want_policy.row_weights(at), rtol=1e-12, atol=0)
+                assert torch.isfinite(got_policy.total).all()  # the greedy rows' placeholders
+                u = torch.rand(rows, generator=gen, dtype=torch.float64).to(device)
+                assert torch.equal(sample(got_policy, u)[live], sample(want_policy, u)[live])
             if not sampled:
                 assert got_policy is None and torch.equal(got, logits.argmax(-1))
 
@@ -265,6 +275,78 @@ def test_greedy_tokens_are_torch_argmax(kernel_device, monkeypatch):
     assert len(launched) == 3
     ref = torch.randn(4, 100, generator=gen)
     assert torch.equal(greedy_tokens(ref, "ref"), ref.argmax(-1)) and len(launched) == 3
+
+
+@pytest.mark.gpu  # and on CPU machines through Triton's interpreter
+@needs_triton
+@pytest.mark.parametrize("dtype,vocab,filtered", [(torch.bfloat16, 4096, False), (torch.float32, 3000, True)])
+def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, filtered, kernel_device, monkeypatch):
+    """The sampled step's two fused launches against their references on the same inputs: `draft_draws` (one
+    `row_tokens_triton` launch with the rows' stats) == the unfused Triton path (`make_policy` + `sample`) draft for
+    draft, its q's weights equal; `verify.accept_rules` on the Triton path (`accept_rules_triton`, one program per
+    request) == the reference rules (`accept_greedy`, `accept_sampled_drafts` with the keyed coins and residual
+    draw) request for request: greedy, top-1 and sampled-draft requests in one packed batch, DScale-like prefix
+    lengths (1 = no draft verified), rejections drawn from the residual over several chunks, whole blocks accepted."""
+    from dscale_runtime import sampling as sampling_module
+    from dscale_runtime.kernels import triton_sampling
+    from dscale_runtime.sampling import draft_draws
+    from dscale_runtime.verify import accept_rules
+
+    launched = collections.Counter()
+    for name in ("row_tokens_triton", "accept_rules_triton"):
+        real = getattr(triton_sampling, name)
+        monkeypatch.setattr(triton_sampling, name, lambda *a, _real=real, _name=name, **k: launched.update([_name])
+                            or _real(*a, **k))
+
+    device = kernel_device
+    gen = torch.Generator().manual_seed(13)
+    b, w = 6, 5
+    rule = torch.tensor([RULE_SAMPLED, RULE_SAMPLED, RULE_TOP1, RULE_SAMPLED, RULE_GREEDY, RULE_SAMPLED], device=device)
+    lens = torch.tensor([5, 3, 4, 1, 2, 5], device=device)
+    offsets = torch.cumsum(lens, 0) - lens
+    m = int(lens.sum()) + 3  # three placeholder rows past the live ones, as DScale packs
+    sampling = SamplingRows(rule == RULE_GREEDY, torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0, 0.9], device=device),
+                            torch.tensor([-1, 40, -1, -1, -1, 7], device=device),
+                            torch.tensor([1.0, 0.8, 1.0, 0.95, 1.0, 1.0], device=device),
+                            torch.tensor([5, 2**32 - 1, 7, 123, 0, 9], device=device),
+                            torch.tensor([0, 3, 2**31, 1, 0, 77], device=device), backend="triton")
+    row_req = torch.repeat_interleave(torch.arange(b), lens.cpu()).tolist() + [b] * 3
+    outcomes = collections.Counter()
+    draws = 6 if device == "cpu" else 200
+    for d in range(draws):
+        base = torch.randn(m, vocab, generator=gen) * 3
+        base[:, :16] += 6  # most of the mass on a few tokens: drafts are often accepted
+        t_logits = base.to(dtype).to(device)
+        slot_rows = [min(int(offsets[i]) + j, m - 1) for i in range(b) for j in range(w - 1)]
+        d_logits = (base[slot_rows] + torch.randn(b * (w - 1), vocab, generator=gen) * (0.2 + 0.4 * (d % 3))).to(dtype)
+        d_logits = d_logits.to(device)
+        ctx = torch.randint(1, 2**31, (b,), generator=gen).to(device)
+        argmax = d_logits.float().view(b, w - 1, vocab).argmax(-1)
+        drafts, q = draft_draws(d_logits.view(b, w - 1, vocab), sampling, ctx, rule == RULE_SAMPLED, filtered, argmax)
+        with monkeypatch.context() as mp:
+            mp.setattr(sampling_module, "ROW_PROGRAM_VOCAB", 0)
+            want_drafts, want_q = draft_draws(d_logits.view(b, w - 1, vocab), sampling, ctx, rule == RULE_SAMPLED,
+                                              filtered, argmax)
+        assert torch.equal(drafts, want_drafts), d
+        drawn_rows = torch.repeat_interleave(rule == RULE_SAMPLED, w - 1).nonzero()[:, 0]
+        assert torch.allclose(q.row_weights(drawn_rows) / q.total[drawn_rows, None],
+                              want_q.row_weights(drawn_rows) / want_q.total[drawn_rows, None], rtol=1e-9, atol=1e-15)
+        block = torch.cat([torch.randint(0, vocab, (b, 1), generator=gen).to(device), drafts], dim=1)
+        positions = torch.randint(0, 2**31, (m,), generator=gen).to(device)
+        index = torch.tensor(row_req, device=device)
+        tokens, policy = target_tokens(t_logits, sampling, positions, filtered, True, index=index, max_index=b - 1,
+                                       offset=1)
+        got = accept_rules(policy, q, block, tokens, lens, offsets, rule, RULE_SAMPLED, sampling, ctx)
+        ref = dataclasses.replace(sampling, backend="ref")
+        want = accept_rules(policy, q, block, tokens, lens, offsets, rule, RULE_SAMPLED, ref, ctx)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (d, got, want)
+        for i in range(b):
+            if rule[i] == RULE_SAMPLED:
+                outcomes["rejected" if want[0][i] < lens[i] - 1 else "all accepted"] += 1
+                outcomes["accepted drafts"] += int(want[0][i])
+    assert outcomes["rejected"] >= 5 and outcomes["all accepted"] >= 5 and outcomes["accepted drafts"] >= 10, outcomes
+    # per draw: drafts and target tokens one launch each (the unfused reference's drafts none), acceptance one
+    assert launched == {"row_tokens_triton": 2 * draws, "accept_rules_triton": draws}, launched
 
 
 def test_policy_applies_temperature_top_k_and_top_p():

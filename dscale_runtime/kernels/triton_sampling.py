@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from dscale_runtime.kernels.filters import KEY_ALL, KEY_BITS, MASS_BITS, ROW_PROGRAM_VOCAB
 from dscale_runtime.kernels.triton_filters import _DTYPES16, _row_floor
@@ -105,15 +106,19 @@ def _sample_kernel(values, shift, inv_t, floor, chunk_sums, u, out, vocab, strid
 
 @triton.jit
 def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temperature, top_k, top_p, seed_lo,
-                       seed_hi, positions, offset, out, key, second_key, SAMPLED: tl.constexpr, FILTERED: tl.constexpr,
-                       INDEXED: tl.constexpr,
+                       seed_hi, positions, offset, out, stat_shift, stat_inv_t, stat_floor, stat_total, key, second_key,
+                       SAMPLED: tl.constexpr, FILTERED: tl.constexpr, INDEXED: tl.constexpr, PER_REQ: tl.constexpr,
+                       STATS: tl.constexpr,
                        CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, VBLOCK: tl.constexpr,
                        KEY_ALL: tl.constexpr, KEY_BITS: tl.constexpr, SCALE: tl.constexpr, ACCURATE: tl.constexpr,
                        KEY16: tl.constexpr, DTYPE: tl.constexpr):
     """The target's token of one row whose vocabulary fits one tile: its argmax (the first maximal entry), or
     for a sampled row the inverse-CDF draw the unfused path makes, step by step in the same arithmetic (the row's
     floor as `triton_filters._row_kernel`, the chunk sums as `_chunk_exp_sums_kernel`, the uniform as
-    `_keyed_uniforms_kernel`, the two-level search as `_sample_kernel`)."""
+    `_keyed_uniforms_kernel`, the two-level search as `_sample_kernel`). PER_REQ rows per request: row r is slot
+    r % PER_REQ of request r // PER_REQ and draws at positions[request] + offset + r % PER_REQ. With STATS the row's
+    policy is stored beside its token (shift, inverse temperature, floor, total weight; greedy rows: their max, 1,
+    -inf and 1, finite placeholders) so that no other pass over the row is needed to weigh its entries."""
     row = tl.program_id(0)
     base = logits + row.to(tl.int64) * stride_row
     offs = tl.arange(0, VBLOCK)
@@ -122,14 +127,16 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
     x = raw.to(tl.float32)
     token = tl.argmax(x, 0, tie_break_left=True).to(tl.int64)
     if SAMPLED:
-        req = row
+        req = row // PER_REQ
         if INDEXED:
             req = tl.minimum(tl.load(index + row), max_index)
+        m = tl.max(x, 0)
+        it = tl.full((), 1.0, tl.float32)
+        floor = tl.full((), float("-inf"), tl.float32)
+        total = tl.full((), 1.0, tl.float64)
         if tl.load(greedy + req) == 0:
-            m = tl.max(x, 0)
             # NOTE: IEEE division, as torch's 1 / T.clamp_min(1e-6) (`sampling._inv_t`)
             it = tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.maximum(tl.load(temperature + req), 1e-6))
-            floor = tl.full((), float("-inf"), tl.float32)
             if FILTERED:
                 floor = _row_floor(raw, inside, m, it, tl.load(top_k + req).to(tl.int64), tl.load(top_p + req), vocab,
                                    KEY_ALL, KEY_BITS, SCALE, ACCURATE, KEY16, DTYPE)
@@ -144,7 +151,7 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
                 sums = tl.where(c == i, tl.sum(e, 0).to(tl.float64), sums)
             lo = tl.load(seed_lo + req).to(tl.uint64) & 0xFFFFFFFF
             hi = tl.load(seed_hi + req).to(tl.uint64) & 0xFFFFFFFF
-            pos = (tl.load(positions + row) + offset).to(tl.uint64) & 0xFFFFFFFF
+            pos = (tl.load(positions + row // PER_REQ) + offset + row % PER_REQ).to(tl.uint64) & 0xFFFFFFFF
             h = _mix32(lo ^ _mix32(hi ^ _mix32(pos ^ _mix32(tl.full((), key, tl.uint64)))))
             h2 = _mix32(h ^ second_key)
             u = (((h >> 11) << 32) | h2).to(tl.float64) * (1.0 / 9007199254740992.0)
@@ -169,8 +176,116 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
             k = tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0),
                            tl.max(tl.where(live, lane, -1), 0))
             token = (at * CHUNK + k).to(tl.int64)
+        if STATS:
+            tl.store(stat_shift + row, m)
+            tl.store(stat_inv_t + row, it)
+            tl.store(stat_floor + row, floor)
+            tl.store(stat_total + row, total)
     tl.store(out + row, token)
 
+
+
+@triton.jit
+def _keyed_uniform(lo, hi, positions, key, second_key):
+    """`_keyed_uniforms_kernel`'s draw of seeds (lo, hi) (uint64 holding 32 bits) at positions (any int shape)."""
+    pos = positions.to(tl.uint64) & 0xFFFFFFFF
+    h = _mix32(lo ^ _mix32(hi ^ _mix32(pos ^ _mix32(tl.full((), key, tl.uint64)))))
+    h2 = _mix32(h ^ second_key)
+    return (((h >> 11) << 32) | h2).to(tl.float64) * (1.0 / 9007199254740992.0)
+
+
+@triton.jit
+def _policy_weights(logits, stride_row, rows, cols, mask, shift, inv_t, floor, FLOOR: tl.constexpr,
+                    ACCURATE: tl.constexpr):
+    """float64 weights exp(s), s = (l - shift) * inv_t in fp32, 0 below the row's floor (`Policy.weights_at`) of
+    entries (rows, cols) of a policy kept as logits; masked entries weigh 0. ACCURATE: libdevice's expf, torch's
+    own on CUDA (the interpreter has numpy's)."""
+    x = tl.load(logits + rows.to(tl.int64) * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    s = (x - tl.load(shift + rows, mask=mask, other=0.0)) * tl.load(inv_t + rows, mask=mask, other=1.0)
+    e = tl.exp(s)
+    if ACCURATE:
+        e = libdevice.exp(s)
+    w = e.to(tl.float64)
+    if FLOOR:
+        w = tl.where(s >= tl.load(floor + rows, mask=mask, other=float("-inf")), w, 0.0)
+    return tl.where(mask, w, 0.0)
+
+
+@triton.jit
+def _accept_rules_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total, num_rows,
+                         d_logits, d_stride, d_shift, d_inv_t, d_floor, d_total,
+                         tokens, block, lens, offsets, rule, seed_lo, seed_hi, ctx, accepted_out, successor_out,
+                         vocab, num_chunks, rule_sampled, coin_key, residual_key, second_key,
+                         W: tl.constexpr, BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+                         T_FLOOR: tl.constexpr, D_FLOOR: tl.constexpr, ACCURATE: tl.constexpr):
+    """One request: its accepted drafts and successor by its rule (`verify.accept_rules`'s reference: the top-1
+    rule's matches, or the sampled-drafts rule's coins against p(x) / q(x) and, after a rejection, the draw from
+    max(0, p - q) over the vocabulary in chunks, as `sampling.sample`'s two levels)."""
+    b = tl.program_id(0)
+    k = tl.load(lens + b)
+    o = tl.load(offsets + b)
+    j = tl.arange(0, BLOCK_J)  # lane j: draft slot j + 1
+    in_block = j < W - 1
+    verified = in_block & (j + 1 < k)
+    rows = tl.minimum(tl.maximum(o + j, 0), num_rows - 1)  # the row that judges slot j + 1
+    drafts = tl.load(block + b * W + 1 + j, mask=in_block, other=0)
+    top1 = drafts == tl.load(tokens + rows, mask=in_block, other=-1)
+    sampled = tl.load(rule + b) == rule_sampled
+    p_x = _policy_weights(t_logits, t_stride, rows, drafts, in_block, t_shift, t_inv_t, t_floor, T_FLOOR,
+                          ACCURATE) / tl.load(t_total + rows, mask=in_block, other=1.0)
+    q_rows = b * (W - 1) + j
+    q_x = _policy_weights(d_logits, d_stride, q_rows, drafts, in_block, d_shift, d_inv_t, d_floor, D_FLOOR,
+                          ACCURATE) / tl.load(d_total + q_rows, mask=in_block, other=1.0)
+    lo = tl.load(seed_lo + b).to(tl.uint64) & 0xFFFFFFFF
+    hi = tl.load(seed_hi + b).to(tl.uint64) & 0xFFFFFFFF
+    c0 = tl.load(ctx + b)
+    coins = _keyed_uniform(lo, hi, c0 + 1 + j, coin_key, second_key)
+    passed = tl.where(sampled, coins * q_x < p_x, top1) & verified
+    acc = tl.min(tl.where(passed, BLOCK_J, j), 0)  # the first slot that failed: lanes past W - 2 always fail
+    succ_row = tl.minimum(o + acc, num_rows - 1)
+    succ = tl.load(tokens + succ_row)
+    if sampled & (acc < k - 1):
+        q_row = b * (W - 1) + tl.minimum(acc, W - 2)  # the rejected draft's q
+        p_total = tl.load(t_total + succ_row)
+        q_total = tl.load(d_total + q_row)
+        c = tl.arange(0, BLOCK_C)
+        lane = tl.arange(0, CHUNK)
+        ones = lane < CHUNK
+        sums_r = tl.zeros([BLOCK_C], tl.float64)
+        sums_p = tl.zeros([BLOCK_C], tl.float64)
+        for i in range(0, num_chunks):
+            cols = i * CHUNK + lane
+            inside = cols < vocab
+            wp = _policy_weights(t_logits, t_stride, succ_row + 0 * lane, cols, inside, t_shift, t_inv_t, t_floor,
+                                 T_FLOOR, ACCURATE) / p_total
+            wq = _policy_weights(d_logits, d_stride, q_row + 0 * lane, cols, inside, d_shift, d_inv_t, d_floor,
+                                 D_FLOOR, ACCURATE) / q_total
+            sums_r = tl.where(c == i, tl.sum(tl.maximum(wp - wq, 0.0), 0), sums_r)
+            sums_p = tl.where(c == i, tl.sum(wp, 0), sums_p)
+        # NOTE: p == q at that row makes a rejection impossible: the residual is then p (never used)
+        use_p = tl.sum(sums_r, 0) <= 0
+        sums = tl.where(use_p, sums_p, sums_r)
+        valid = c < num_chunks
+        cum = tl.cumsum(sums, 0)
+        positive = valid & (sums > 0)
+        last = tl.max(tl.where(positive, c, -1), 0)
+        total = tl.max(tl.where(c == last, cum, 0.0), 0)
+        value = _keyed_uniform(lo, hi, c0 + 1, residual_key, second_key) * total
+        at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
+        prefix = tl.sum(tl.where(c < at, sums, 0.0), 0)
+        cols = at * CHUNK + lane
+        inside = (cols < vocab) & ones
+        wp = _policy_weights(t_logits, t_stride, succ_row + 0 * lane, cols, inside, t_shift, t_inv_t, t_floor, T_FLOOR,
+                             ACCURATE) / p_total
+        wq = _policy_weights(d_logits, d_stride, q_row + 0 * lane, cols, inside, d_shift, d_inv_t, d_floor, D_FLOOR,
+                             ACCURATE) / q_total
+        w = tl.where(use_p, wp, tl.maximum(wp - wq, 0.0))
+        local = tl.cumsum(w, 0) + prefix
+        live = w > 0
+        pick = tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0), tl.max(tl.where(live, lane, -1), 0))
+        succ = (at * CHUNK + pick).to(tl.int64)
+    tl.store(accepted_out + b, acc.to(tl.int64))
+    tl.store(successor_out + b, succ)
 
 
 def chunk_exp_sums_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, chunk: int,
@@ -237,20 +352,28 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
                       top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
                       seed_lo: torch.Tensor | None = None, seed_hi: torch.Tensor | None = None,
                       positions: torch.Tensor | None = None, offset: int = 0, key: int = 0, second_key: int = 0,
-                      chunk: int = 1024) -> torch.Tensor:
+                      chunk: int = 1024, per_request: int = 1, stats: bool = False):
     """The target's token of every row of logits [R, V] (V <= ROW_PROGRAM_VOCAB, contiguous rows) in one launch: the
     argmax, or with `sampled` the keyed inverse-CDF draw of `sampling.target_tokens`'s unfused path for rows whose
     request is not greedy. Row r reads its request's parameters (greedy / temperature / top_k / top_p / seeds
-    [B]) at min(index[r], max_index) (index None: at r) and draws at positions[r] + offset with the 32-bit `key` of its purpose."""
+    [B]) at min(index[r], max_index) (index None: at r // per_request) and draws at positions[r] + offset (index
+    None and per_request > 1: at positions[r // per_request] + offset + r % per_request, a request's slots) with the
+    32-bit `key` of its purpose. With `stats` (sampled only) -> (tokens, (shift fp32, inv_t fp32, floor fp32,
+    total fp64) [R]): each row's policy as `sampling.make_policy` keeps it, written by the same program."""
     rows, vocab = logits.shape
     assert vocab <= ROW_PROGRAM_VOCAB and logits.stride(-1) == 1 and chunk & (chunk - 1) == 0
     if logits.dtype not in _DTYPES:
         raise ValueError(f"Triton row tokens take {_DTYPES} logits, got {logits.dtype}: use DSCALE_FUSED=ref "
                          "(KernelChoice.fused='ref')")
     require_interpreter_on_cpu(logits, "Triton row tokens", "fused")
+    assert not (stats and not sampled) and (per_request == 1 or index is None)
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    policy = None
+    if stats:
+        f32 = torch.empty(3, rows, dtype=torch.float32, device=logits.device)
+        policy = (f32[0], f32[1], f32[2], torch.empty(rows, dtype=torch.float64, device=logits.device))
     if rows == 0:
-        return out
+        return out if policy is None else (out, policy)
     if sampled:
         params = (out if index is None else index.long().contiguous(), max_index, greedy.contiguous(), temperature.float().contiguous(),
                   top_k.long().contiguous(), top_p.float().contiguous(), seed_lo.long().contiguous(),
@@ -260,11 +383,51 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
     num_chunks = -(-vocab // chunk)
     key16 = logits.dtype in _DTYPES16
     # NOTE: 4 warps as the unfused kernels: the chunk sums and scans then add in their order (same draws)
-    _row_tokens_kernel[(rows,)](logits, logits.stride(0), vocab, *params, out, key, second_key, SAMPLED=sampled,
-                                FILTERED=sampled and filtered, INDEXED=index is not None, CHUNK=chunk, NUM_CHUNKS=num_chunks,
+    _row_tokens_kernel[(rows,)](logits, logits.stride(0), vocab, *params, out, *(policy or (out,) * 4), key, second_key,
+                                SAMPLED=sampled, FILTERED=sampled and filtered, INDEXED=index is not None,
+                                PER_REQ=per_request, STATS=stats, CHUNK=chunk, NUM_CHUNKS=num_chunks,
                                 BLOCK_C=triton.next_power_of_2(num_chunks),
                                 VBLOCK=max(triton.next_power_of_2(vocab), chunk), KEY_ALL=KEY_ALL,
                                 KEY_BITS=16 if key16 else KEY_BITS, SCALE=float(2**MASS_BITS),
                                 ACCURATE=not interpreted(), KEY16=key16,
                                 DTYPE=_DTYPES16.get(logits.dtype, tl.float16), num_warps=4)
-    return out
+    return out if policy is None else (out, policy)
+
+
+def accept_rules_triton(target: tuple, draft: tuple, tokens: torch.Tensor, block: torch.Tensor, lens: torch.Tensor,
+                        offsets: torch.Tensor, rule: torch.Tensor, rule_sampled: int, seed_lo: torch.Tensor,
+                        seed_hi: torch.Tensor, ctx: torch.Tensor, coin_key: int, residual_key: int, second_key: int,
+                        chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted drafts [B] and successors [B] of every request by its rule in one launch (one program per request).
+    `target` / `draft`: (logits [R, V] with contiguous rows, shift fp32 [R], inv_t fp32 [R], floor fp32 [R] or None,
+    total fp64 [R]): p at the M verification rows, q at the B x (W-1) draft slots (row b (W-1) + j - 1 for slot j);
+    tokens [M]: the rows' target tokens; block [B, W]; rule [B] (== rule_sampled: the sampled-drafts rule, else
+    the top-1 rule); draws keyed by the requests' seeds at ctx + slot (coins) and ctx + 1 (the residual)."""
+    t_logits, t_shift, t_inv_t, t_floor, t_total = target
+    d_logits, d_shift, d_inv_t, d_floor, d_total = draft
+    b, w = block.shape
+    assert t_logits.stride(-1) == 1 and d_logits.stride(-1) == 1 and chunk & (chunk - 1) == 0
+    assert t_logits.shape[1] == d_logits.shape[1] and d_logits.shape[0] == b * (w - 1)
+    for name, logits in (("target", t_logits), ("draft", d_logits)):
+        if logits.dtype not in _DTYPES:
+            raise ValueError(f"Triton acceptance takes {_DTYPES} {name} logits, got {logits.dtype}: use DSCALE_FUSED=ref "
+                             "(KernelChoice.fused='ref')")
+    require_interpreter_on_cpu(block, "Triton acceptance", "fused")
+    accepted = torch.empty(b, dtype=torch.long, device=block.device)
+    successor = torch.empty(b, dtype=torch.long, device=block.device)
+    if b == 0:
+        return accepted, successor
+    vocab = t_logits.shape[1]
+    num_chunks = -(-vocab // chunk)
+    f32 = lambda t: t.float().contiguous()  # noqa: E731
+    _accept_rules_kernel[(b,)](t_logits, t_logits.stride(0), f32(t_shift), f32(t_inv_t),
+                               f32(t_shift if t_floor is None else t_floor), t_total.double().contiguous(),
+                               t_logits.shape[0], d_logits, d_logits.stride(0), f32(d_shift), f32(d_inv_t),
+                               f32(d_shift if d_floor is None else d_floor), d_total.double().contiguous(),
+                               tokens.contiguous(), block.contiguous(), lens.contiguous(), offsets.contiguous(),
+                               rule.contiguous(), seed_lo.long().contiguous(), seed_hi.long().contiguous(),
+                               ctx.long().contiguous(), accepted, successor, vocab, num_chunks, rule_sampled, coin_key,
+                               residual_key, second_key, W=w, BLOCK_J=triton.next_power_of_2(w), CHUNK=chunk,
+                               BLOCK_C=triton.next_power_of_2(num_chunks), T_FLOOR=t_floor is not None,
+                               D_FLOOR=d_floor is not None, ACCURATE=not interpreted(), num_warps=4)
+    return accepted, successor
