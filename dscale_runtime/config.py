@@ -65,16 +65,18 @@ class EngineConfig:
     while serving run in each bucket the step with the most tokens per second by the live traffic (start-up
     step time x (1 + accepted drafts per request-step of that step, a running mean); every 16th step runs the
     other step to keep both estimates current). Without graphs (CPU) all three mean 'always'."""
-    target_fallback: bool = True
+    target_fallback: bool = False
     """Speculative modes with `step_graphs` on CUDA: also capture and time each bucket's target-only step, and
     run a bucket's steps target-only while the live acceptance says speculation yields fewer tokens per second
     (step costs: live device times, host work and wall time per cycle, each a running estimate of its floor,
     start-up times before those; x (1 + accepted drafts per request-step of the batch's kind, a running mean)); a
     fallen-back bucket still speculates, 3 steps in a row every 128 or more, and a speculating one runs target-only
-    steps 3 in a row every 1,024, keeping the estimates current. On by default since 2026-12-06: served on an H100
-    (the demo pair, c = 1, 8, 32 at T = 0, 1 and 0.7 / top_p 0.8) it served within 3.2% of the best of target-only
-    and speculation at every point, where speculation alone fell to 0.78x target-only at T = 1, concurrency 1
-    (docs/benchmarks.md). Without graphs (CPU) it is off whatever this says."""
+    steps 3 in a row every 1,024, keeping the estimates current. Off by default, by measurement (docs/benchmarks.md,
+    2026-12-06, H100, the demo pair served at c = 1, 8, 32 at T = 0, 1 and 0.7 / top_p 0.8): since sampled steps
+    cost about what greedy ones do, speculation alone served 1.19-2.31x target-only at every point, and the
+    fallback, which ran target-only steps only as its probes, served 0.87-0.92x the best at four points where
+    DScale without it served 0.96-0.99x. Turn it on for a pair whose drafts are rarely accepted. Without graphs
+    (CPU) it is off whatever this says."""
     live_calibration: bool = False
     """DScale only: refresh a calibration of the acceptance predictor's scores from the served steps and apply
     it inside the step (`dscale_runtime/dvl/calibration.py`: a per-position monotone piecewise-linear map of

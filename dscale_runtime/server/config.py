@@ -58,11 +58,13 @@ class ServeConfig:
     only where that is faster (the log shows the choice); 'always' decides in every bucket above
     --full-width-max-batch; 'live' times both and then runs, per bucket, the one with more tokens per second by
     the live acceptance of each (every 16th step the other)."""
-    target_fallback: bool = True
+    target_fallback: bool = False
     """Speculative modes with step graphs: run a batch size's steps target-only while the live acceptance and the
     step times say speculation yields fewer tokens per second (3 speculative steps in a row every 128 or more keep
-    measuring; while speculating, 3 target-only steps every 1,024); /metrics shows the choice per bucket. On by
-    default (measured: docs/benchmarks.md, 2026-12-06); `--target-fallback false` speculates in every step."""
+    measuring; while speculating, 3 target-only steps every 1,024); /metrics shows the choice per bucket. Off by
+    default (measured: docs/benchmarks.md, 2026-12-06: speculation alone served above target-only at every point
+    once sampled steps cost what greedy ones do); `--target-fallback true` for a pair whose drafts are rarely
+    accepted."""
     measure_retention: bool = False
     """DScale: also run full-width verification to report retention in /metrics (costs a second forward)."""
     live_calibration: bool = False
