@@ -7,6 +7,10 @@ floor, the top-k / top-p policies of `kernels/filters.py`), one program per (row
 (graph-safe). The sampler's two-level inverse CDF (`dscale_runtime.sampling`) needs nothing else of the full
 row, so no fp32 copy of the [R, V] logits is ever written.
 
+`row_tokens_triton` draws a token per row of a one-tile vocabulary in one launch (and can store each row's policy
+beside it); `accept_rules_triton` accepts every request's drafts by its rule in one launch (one program per request,
+the residual of a rejected sampled draft drawn over the vocabulary in chunks): the sampled step's two fused kernels.
+
 This module imports triton at import time: import it only through `dscale_runtime.kernels.sampling`, which
 does so lazily. With TRITON_INTERPRET=1 set before triton is imported, it runs in Triton's interpreter on CPU
 tensors too (the CPU tests).
@@ -52,6 +56,17 @@ def _mix32(x):
 
 
 @triton.jit
+def _keyed_uniform(lo, hi, positions, key, second_key):
+    """The keyed draw of seeds (lo, hi) (uint64 holding 32 bits) at positions (any int shape; their low 32 bits key):
+    h = mix(lo ^ mix(hi ^ mix(pos ^ mix(key)))), h2 = mix(h ^ second_key), ((h >> 11) * 2^32 + h2) / 2^53
+    (`kernels.sampling.keyed_uniforms_ref`, bit for bit: < 2^53, exact in float64)."""
+    pos = positions.to(tl.uint64) & 0xFFFFFFFF
+    h = _mix32(lo ^ _mix32(hi ^ _mix32(pos ^ _mix32(tl.full((), key, tl.uint64)))))
+    h2 = _mix32(h ^ second_key)
+    return (((h >> 11) << 32) | h2).to(tl.float64) * (1.0 / 9007199254740992.0)
+
+
+@triton.jit
 def _keyed_uniforms_kernel(seed_lo, seed_hi, positions, out, total, per_row, key, second_key,
                            BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -59,12 +74,8 @@ def _keyed_uniforms_kernel(seed_lo, seed_hi, positions, out, total, per_row, key
     row = offs // per_row
     lo = tl.load(seed_lo + row, mask=inside, other=0).to(tl.uint64) & 0xFFFFFFFF
     hi = tl.load(seed_hi + row, mask=inside, other=0).to(tl.uint64) & 0xFFFFFFFF
-    pos = tl.load(positions + offs, mask=inside, other=0).to(tl.uint64) & 0xFFFFFFFF
-    k = tl.full([BLOCK], key, tl.uint64)
-    h = _mix32(lo ^ _mix32(hi ^ _mix32(pos ^ _mix32(k))))
-    h2 = _mix32(h ^ second_key)
-    bits = ((h >> 11) << 32) | h2  # < 2^53: exact in float64
-    tl.store(out + offs, bits.to(tl.float64) * (1.0 / 9007199254740992.0), mask=inside)
+    pos = tl.load(positions + offs, mask=inside, other=0)
+    tl.store(out + offs, _keyed_uniform(lo, hi, pos, key, second_key), mask=inside)
 
 
 @triton.jit
@@ -149,12 +160,9 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
                 if FILTERED:
                     e = tl.where(sc >= floor, e, 0.0)
                 sums = tl.where(c == i, tl.sum(e, 0).to(tl.float64), sums)
-            lo = tl.load(seed_lo + req).to(tl.uint64) & 0xFFFFFFFF
-            hi = tl.load(seed_hi + req).to(tl.uint64) & 0xFFFFFFFF
-            pos = (tl.load(positions + row // PER_REQ) + offset + row % PER_REQ).to(tl.uint64) & 0xFFFFFFFF
-            h = _mix32(lo ^ _mix32(hi ^ _mix32(pos ^ _mix32(tl.full((), key, tl.uint64)))))
-            h2 = _mix32(h ^ second_key)
-            u = (((h >> 11) << 32) | h2).to(tl.float64) * (1.0 / 9007199254740992.0)
+            u = _keyed_uniform(tl.load(seed_lo + req).to(tl.uint64) & 0xFFFFFFFF,
+                               tl.load(seed_hi + req).to(tl.uint64) & 0xFFFFFFFF,
+                               tl.load(positions + row // PER_REQ) + offset + row % PER_REQ, key, second_key)
             valid = c < NUM_CHUNKS
             cum = tl.cumsum(sums, 0)
             positive = valid & (sums > 0)
@@ -182,16 +190,6 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
             tl.store(stat_floor + row, floor)
             tl.store(stat_total + row, total)
     tl.store(out + row, token)
-
-
-
-@triton.jit
-def _keyed_uniform(lo, hi, positions, key, second_key):
-    """`_keyed_uniforms_kernel`'s draw of seeds (lo, hi) (uint64 holding 32 bits) at positions (any int shape)."""
-    pos = positions.to(tl.uint64) & 0xFFFFFFFF
-    h = _mix32(lo ^ _mix32(hi ^ _mix32(pos ^ _mix32(tl.full((), key, tl.uint64)))))
-    h2 = _mix32(h ^ second_key)
-    return (((h >> 11) << 32) | h2).to(tl.float64) * (1.0 / 9007199254740992.0)
 
 
 @triton.jit
@@ -250,7 +248,6 @@ def _accept_rules_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total,
         q_total = tl.load(d_total + q_row)
         c = tl.arange(0, BLOCK_C)
         lane = tl.arange(0, CHUNK)
-        ones = lane < CHUNK
         sums_r = tl.zeros([BLOCK_C], tl.float64)
         sums_p = tl.zeros([BLOCK_C], tl.float64)
         for i in range(0, num_chunks):
@@ -274,7 +271,7 @@ def _accept_rules_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total,
         at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
         prefix = tl.sum(tl.where(c < at, sums, 0.0), 0)
         cols = at * CHUNK + lane
-        inside = (cols < vocab) & ones
+        inside = cols < vocab
         wp = _policy_weights(t_logits, t_stride, succ_row + 0 * lane, cols, inside, t_shift, t_inv_t, t_floor, T_FLOOR,
                              ACCURATE) / p_total
         wq = _policy_weights(d_logits, d_stride, q_row + 0 * lane, cols, inside, d_shift, d_inv_t, d_floor, D_FLOOR,
