@@ -333,7 +333,7 @@ class BucketStep:
         logits, hidden = r.drafter.propose(block, r.target, meta, r.drafter_caches, float_logits=False)
         q = None
         if kind.draft_sampling:
-            drafts, q = draft_draws(logits.view(b, w - 1, -1), buf.sampling_rows(r.sampling_backend), buf.ctx,
+            drafts, q = draft_draws(logits.reshape(b, w - 1, -1), buf.sampling_rows(r.sampling_backend), buf.ctx,
                                     buf.rule == RULE_SAMPLED, kind.filtered, block[:, 1:])
             block[:, 1:] = drafts
         return block, logits, hidden, q
