@@ -353,6 +353,49 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
     assert launched == collections.Counter(row_tokens_triton=rows_launched, accept_rules_triton=draws), launched
 
 
+@needs_triton
+def test_compiled_sampler_kernels_build_for_sm90_without_spills():
+    """The fused sampled step's kernels through Triton's compiler rather than its interpreter, without a GPU (the
+    bundled ptxas, sm_90): the acceptance kernel at the demo pair's vocabulary (chunks of 1,024, 4 warps) and at
+    Qwen3's (4,096, 8 warps), the row kernel drawing drafts with their policy stats, the keyed-uniforms kernel; none
+    spills registers. The interpreter runs their arithmetic (the tests above), not their compiled form."""
+    from offline import run_without_interpreter
+
+    lines = run_without_interpreter("""
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dscale_runtime.kernels import stack_usage, triton_sampling as ts
+from dscale_runtime.kernels.filters import KEY_ALL, MASS_BITS
+
+def build(kernel, consts, pointers, warps):
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "i64" if n == "key" else "i32") for n in kernel.arg_names}
+    return stack_usage(triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": warps}))
+
+policy = {f"{side}_{name}": kind for side in "td" for name, kind in (("shift", "*fp32"), ("inv_t", "*fp32"),
+                                                                      ("floor", "*fp32"), ("total", "*fp64"))}
+accept = {"t_logits": "*bf16", "d_logits": "*bf16", **policy, **{n: "*i64" for n in (
+    "tokens", "block", "lens", "offsets", "rule", "seed_lo", "seed_hi", "ctx", "accepted_out", "successor_out")}}
+for chunk, blocks, warps in ((1024, 4, 4), (4096, 64, 8)):
+    consts = dict(W=16, BLOCK_J=16, CHUNK=chunk, BLOCK_C=blocks, T_FLOOR=True, D_FLOOR=True, ACCURATE=True)
+    print("accept", chunk, build(ts._accept_rules_kernel, consts, accept, warps))
+rows = {"logits": "*bf16", "greedy": "*i1", "temperature": "*fp32", "top_p": "*fp32", "stat_shift": "*fp32",
+        "stat_inv_t": "*fp32", "stat_floor": "*fp32", "stat_total": "*fp64",
+        **{n: "*i64" for n in ("index", "top_k", "seed_lo", "seed_hi", "positions", "out")}}
+consts = dict(SAMPLED=True, FILTERED=True, INDEXED=False, PER_REQ=15, STATS=True, CHUNK=1024, NUM_CHUNKS=4,
+              BLOCK_C=4, VBLOCK=4096, KEY_ALL=KEY_ALL, KEY_BITS=16, SCALE=float(2**MASS_BITS), ACCURATE=True, KEY16=True,
+              DTYPE=tl.bfloat16)
+print("rows", build(ts._row_tokens_kernel, consts, rows, 4))
+print("uniforms", build(ts._keyed_uniforms_kernel, dict(BLOCK=256), {"seed_lo": "*i64", "seed_hi": "*i64",
+                                                                     "positions": "*i64", "out": "*fp64"}, 4))
+""")
+    built = [line for line in lines if line.startswith(("accept", "rows", "uniforms"))]
+    assert len(built) == 4, lines
+    for line in built:
+        assert line.endswith(("STACK:0", "?")), f"register spills: {line}"
+
+
 def test_policy_applies_temperature_top_k_and_top_p():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]])
     rows = SamplingRows(torch.tensor([False, False]), torch.tensor([0.5, 1.0]), torch.tensor([2, -1]),
