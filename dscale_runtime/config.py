@@ -73,7 +73,7 @@ class EngineConfig:
     fallen-back bucket still speculates, 3 steps in a row every 128 or more, and a speculating one runs target-only
     steps 3 in a row every 1,024, keeping the estimates current. Off by default, by measurement (docs/benchmarks.md,
     2026-12-06, H100, the demo pair served at c = 1, 8, 32 at T = 0, 1 and 0.7 / top_p 0.8): since sampled steps
-    cost about what greedy ones do, speculation alone served 1.19-2.31x target-only at every point, and the
+    cost about what greedy ones do, DScale without it served 1.20-2.37x target-only at every point, and the
     fallback, which ran target-only steps only as its probes, served 0.87-0.92x the best at four points where
     DScale without it served 0.96-0.99x. Turn it on for a pair whose drafts are rarely accepted. Without graphs
     (CPU) it is off whatever this says."""
