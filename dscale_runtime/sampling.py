@@ -22,7 +22,7 @@ import torch
 
 from dscale_runtime.kernels.choice import auto_backend
 from dscale_runtime.kernels.filters import ROW_PROGRAM_VOCAB, filter_floor, filter_keep_ref, scaled_logits
-from dscale_runtime.kernels.sampling import _PURPOSE_KEY, _SECOND_KEY, chunk_exp_sums, keyed_uniforms  # noqa: F401
+from dscale_runtime.kernels.sampling import _SECOND_KEY, chunk_exp_sums, keyed_uniforms, purpose_key  # noqa: F401
 
 # Purposes of a draw (the third key of `keyed_uniforms`): one independent stream each.
 TARGET = 1  # the target's token at a position (target-only sampling, verification rows, the first token)
@@ -266,7 +266,7 @@ def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Ten
         stats = sampled and with_policy
         out = row_tokens_triton(logits, sampled, filtered, index, max_index, rows.greedy, rows.temperature,
                                 rows.top_k, rows.top_p, rows.seed_lo, rows.seed_hi, positions, offset,
-                                TARGET * _PURPOSE_KEY & _MASK32, _SECOND_KEY, stats=stats)
+                                purpose_key(TARGET), _SECOND_KEY, stats=stats)
         if not stats:
             return out, None
         return out[0], Policy.from_rows(logits, out[1], filtered)
@@ -295,7 +295,7 @@ def draft_draws(logits: torch.Tensor, rows: SamplingRows, ctx: torch.Tensor, dra
         from dscale_runtime.kernels.triton_sampling import row_tokens_triton
 
         tokens, stats = row_tokens_triton(flat, True, filtered, None, 0, ~drawn, rows.temperature, rows.top_k,
-                                          rows.top_p, rows.seed_lo, rows.seed_hi, ctx, 1, DRAFT * _PURPOSE_KEY & _MASK32,
+                                          rows.top_p, rows.seed_lo, rows.seed_hi, ctx, 1, purpose_key(DRAFT),
                                           _SECOND_KEY, per_request=slots, stats=True)
         return tokens.view(b, slots), Policy.from_rows(flat, stats, filtered)
     per_slot = rows.rows(torch.arange(b, device=logits.device).repeat_interleave(slots))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dscale_runtime.kernels.sampling import _PURPOSE_KEY, _SECOND_KEY
+from dscale_runtime.kernels.sampling import _SECOND_KEY, purpose_key
 from dscale_runtime.sampling import COIN, RESIDUAL, Policy, SamplingRows, _resolved, sample_inverse_cdf
 
 
@@ -128,8 +128,7 @@ def accept_rules(
         return accept_rules_triton((values, target.shift, target.inv_t, target.floor, target.total),
                                    (draft.values, draft.shift, draft.inv_t, draft.floor, draft.total), target_tokens,
                                    draft_tokens, verify_lens, verify_offsets, rule, rule_sampled, rows.seed_lo,
-                                   rows.seed_hi, ctx, COIN * _PURPOSE_KEY & 0xFFFFFFFF,
-                                   RESIDUAL * _PURPOSE_KEY & 0xFFFFFFFF, _SECOND_KEY)
+                                   rows.seed_hi, ctx, purpose_key(COIN), purpose_key(RESIDUAL), _SECOND_KEY)
     accepted, successor = accept_greedy(target_tokens, draft_tokens, verify_lens, verify_offsets)
     positions = ctx[:, None] + torch.arange(1, draft_tokens.shape[1], device=draft_tokens.device)
     s_acc, s_succ = accept_sampled_drafts(target, draft, draft_tokens, target_tokens, verify_lens, verify_offsets,

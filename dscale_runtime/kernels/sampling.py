@@ -23,6 +23,11 @@ _PURPOSE_KEY = 0x9E3779B1  # a purpose p enters the hash as (p * _PURPOSE_KEY) m
 _SECOND_KEY = 0x68E31DA4  # the second hash of the chain: mix(h ^ _SECOND_KEY)
 
 
+def purpose_key(purpose: int) -> int:
+    """The 32-bit key a draw's purpose enters the hash with (the kernels take it as an argument)."""
+    return purpose * _PURPOSE_KEY & _MASK32
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2^32 for x in [0, 2^32) without int64 overflow (c split into 16-bit halves)."""
     lo, hi = c & 0xFFFF, c >> 16
@@ -43,7 +48,7 @@ def keyed_uniforms_ref(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: 
     """seeds and positions (broadcast, int64) -> float64 in [0, 1): h = mix(lo ^ mix(hi ^ mix(pos ^ mix(key)))),
     h2 = mix(h ^ _SECOND_KEY), u = ((h >> 11) * 2^32 + h2) / 2^53 (53 random bits)."""
     pos = positions & _MASK32
-    key = torch.full_like(pos, purpose * _PURPOSE_KEY & _MASK32)
+    key = torch.full_like(pos, purpose_key(purpose))
     h = _mix32(seed_lo ^ _mix32(seed_hi ^ _mix32(pos ^ _mix32(key))))
     h2 = _mix32(h ^ _SECOND_KEY)
     return (((h >> 11) << 32) | h2).double() / float(1 << 53)
@@ -64,7 +69,7 @@ def keyed_uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, positions: torc
     from dscale_runtime.kernels.triton_sampling import keyed_uniforms_triton
 
     return keyed_uniforms_triton(seed_lo.reshape(-1), seed_hi.reshape(-1), positions.contiguous(),
-                                 purpose * _PURPOSE_KEY & _MASK32, _SECOND_KEY)
+                                 purpose_key(purpose), _SECOND_KEY)
 
 
 def chunk_exp_sums_ref(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, chunk: int,
