@@ -289,13 +289,15 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
     draw) request for request: greedy, top-1 and sampled-draft requests in one packed batch, DScale-like prefix
     lengths (1 = no draft verified), rejections drawn from the residual over several chunks, whole blocks accepted.
     Above ROW_PROGRAM_VOCAB (9,000) the drafts and target policy take the unfused path and only the acceptance fuses
-    (chunks of 4,096 over 8 warps)."""
+    (its residual's chunk sums in a launch of their own); either layout of those sums gives the other's tokens."""
     from dscale_runtime import sampling as sampling_module
     from dscale_runtime.kernels import triton_sampling
-    from dscale_runtime.sampling import draft_draws
+    from dscale_runtime.kernels.sampling import _SECOND_KEY, purpose_key
+    from dscale_runtime.sampling import COIN, RESIDUAL, draft_draws
     from dscale_runtime.verify import accept_rules
 
     launched = collections.Counter()
+    accept_kernels = triton_sampling.accept_rules_triton
     for name in ("row_tokens_triton", "accept_rules_triton"):
         real = getattr(triton_sampling, name)
         monkeypatch.setattr(triton_sampling, name, lambda *a, _real=real, _name=name, **k: launched.update([_name])
@@ -343,6 +345,13 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
         ref = dataclasses.replace(sampling, backend="ref")
         want = accept_rules(policy, q, block, tokens, lens, offsets, rule, RULE_SAMPLED, ref, ctx)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (d, got, want)
+        # the other layout of the residual's sums (split over B x chunks programs above ROW_PROGRAM_VOCAB, one
+        # program's pass below): the same sums, bit for bit, so the same tokens
+        split = vocab <= sampling_module.ROW_PROGRAM_VOCAB
+        other = accept_kernels(*[(pol.values, pol.shift, pol.inv_t, pol.floor, pol.total) for pol in (policy, q)],
+                               tokens, block, lens, offsets, rule, RULE_SAMPLED, sampling.seed_lo, sampling.seed_hi, ctx,
+                               purpose_key(COIN), purpose_key(RESIDUAL), _SECOND_KEY, split=split)
+        assert torch.equal(other[0], got[0]) and torch.equal(other[1], got[1]), (d, split, other, got)
         for i in range(b):
             if rule[i] == RULE_SAMPLED:
                 outcomes["rejected" if want[0][i] < lens[i] - 1 else "all accepted"] += 1
@@ -356,8 +365,8 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
 @needs_triton
 def test_compiled_sampler_kernels_build_for_sm90_without_spills():
     """The fused sampled step's kernels through Triton's compiler rather than its interpreter, without a GPU (the
-    bundled ptxas, sm_90): the acceptance kernel at the demo pair's vocabulary (chunks of 1,024, 4 warps) and at
-    Qwen3's (4,096, 8 warps), the row kernel drawing drafts with their policy stats, the keyed-uniforms kernel; none
+    bundled ptxas, sm_90): the acceptance kernel at the demo pair's vocabulary (one program's pass over 4 chunks)
+    and at Qwen3's (149 chunks summed by the residual-sums kernel, also built), the row kernel drawing drafts with their policy stats, the keyed-uniforms kernel; none
     spills registers. The interpreter runs their arithmetic (the tests above), not their compiled form."""
     from offline import run_without_interpreter
 
@@ -377,9 +386,12 @@ policy = {f"{side}_{name}": kind for side in "td" for name, kind in (("shift", "
                                                                       ("floor", "*fp32"), ("total", "*fp64"))}
 accept = {"t_logits": "*bf16", "d_logits": "*bf16", **policy, **{n: "*i64" for n in (
     "tokens", "block", "lens", "offsets", "rule", "seed_lo", "seed_hi", "ctx", "accepted_out", "successor_out")}}
-for chunk, blocks, warps in ((1024, 4, 4), (4096, 64, 8)):
-    consts = dict(W=16, BLOCK_J=16, CHUNK=chunk, BLOCK_C=blocks, T_FLOOR=True, D_FLOOR=True, ACCURATE=True)
-    print("accept", chunk, build(ts._accept_rules_kernel, consts, accept, warps))
+accept["sums_in"] = "*fp64"
+for blocks, split in ((4, False), (256, True)):
+    consts = dict(W=16, BLOCK_J=16, CHUNK=1024, BLOCK_C=blocks, T_FLOOR=True, D_FLOOR=True, ACCURATE=True, SPLIT=split)
+    print("accept", blocks, build(ts._accept_rules_kernel, consts, accept, 4))
+consts = dict(W=16, BLOCK_J=16, CHUNK=1024, T_FLOOR=True, D_FLOOR=True, ACCURATE=True)
+print("accept sums", build(ts._residual_sums_kernel, consts, {**accept, "sums_out": "*fp64"}, 4))
 rows = {"logits": "*bf16", "greedy": "*i1", "temperature": "*fp32", "top_p": "*fp32", "stat_shift": "*fp32",
         "stat_inv_t": "*fp32", "stat_floor": "*fp32", "stat_total": "*fp64",
         **{n: "*i64" for n in ("index", "top_k", "seed_lo", "seed_hi", "positions", "out")}}
@@ -391,7 +403,7 @@ print("uniforms", build(ts._keyed_uniforms_kernel, dict(BLOCK=256), {"seed_lo": 
                                                                      "positions": "*i64", "out": "*fp64"}, 4))
 """)
     built = [line for line in lines if line.startswith(("accept", "rows", "uniforms"))]
-    assert len(built) == 4, lines
+    assert len(built) == 5, lines
     for line in built:
         assert line.endswith(("STACK:0", "?")), f"register spills: {line}"
 

@@ -210,16 +210,13 @@ def _policy_weights(logits, stride_row, rows, cols, mask, shift, inv_t, floor, F
 
 
 @triton.jit
-def _accept_rules_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total, num_rows,
-                         d_logits, d_stride, d_shift, d_inv_t, d_floor, d_total,
-                         tokens, block, lens, offsets, rule, seed_lo, seed_hi, ctx, accepted_out, successor_out,
-                         vocab, num_chunks, rule_sampled, coin_key, residual_key, second_key,
-                         W: tl.constexpr, BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-                         T_FLOOR: tl.constexpr, D_FLOOR: tl.constexpr, ACCURATE: tl.constexpr):
-    """One request: its accepted drafts and successor by its rule (`verify.accept_rules`'s reference: the top-1
-    rule's matches, or the sampled-drafts rule's coins against p(x) / q(x) and, after a rejection, the draw from
-    max(0, p - q) over the vocabulary in chunks, as `sampling.sample`'s two levels)."""
-    b = tl.program_id(0)
+def _accept_head(b, t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total, num_rows,
+                 d_logits, d_stride, d_shift, d_inv_t, d_floor, d_total, tokens, block, lens, offsets, rule,
+                 seed_lo, seed_hi, ctx, rule_sampled, coin_key, second_key, W: tl.constexpr, BLOCK_J: tl.constexpr,
+                 T_FLOOR: tl.constexpr, D_FLOOR: tl.constexpr, ACCURATE: tl.constexpr):
+    """Request b's acceptance before any residual: (accepted drafts, successor by its rule's matches, whether the
+    residual is drawn (a sampled-drafts request rejected a verified draft), the successor's row, the rejected
+    draft's q row, the request's seeds and context)."""
     k = tl.load(lens + b)
     o = tl.load(offsets + b)
     j = tl.arange(0, BLOCK_J)  # lane j: draft slot j + 1
@@ -241,28 +238,61 @@ def _accept_rules_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total,
     passed = tl.where(sampled, coins * q_x < p_x, top1) & verified
     acc = tl.min(tl.where(passed, BLOCK_J, j), 0)  # the first slot that failed: lanes past W - 2 always fail
     succ_row = tl.minimum(o + acc, num_rows - 1)
-    succ = tl.load(tokens + succ_row)
-    if sampled & (acc < k - 1):
-        q_row = b * (W - 1) + tl.minimum(acc, W - 2)  # the rejected draft's q
+    q_row = b * (W - 1) + tl.minimum(acc, W - 2)  # the rejected draft's q
+    return acc, tl.load(tokens + succ_row), sampled & (acc < k - 1), succ_row, q_row, lo, hi, c0
+
+
+@triton.jit
+def _residual_weights(cols, inside, t_logits, t_stride, t_shift, t_inv_t, t_floor, succ_row, p_total,
+                      d_logits, d_stride, d_shift, d_inv_t, d_floor, q_row, q_total, T_FLOOR: tl.constexpr,
+                      D_FLOOR: tl.constexpr, ACCURATE: tl.constexpr):
+    """p's and q's probabilities (float64) at entries `cols` of the successor's row and the rejected draft's."""
+    wp = _policy_weights(t_logits, t_stride, succ_row + 0 * cols, cols, inside, t_shift, t_inv_t, t_floor, T_FLOOR,
+                         ACCURATE) / p_total
+    wq = _policy_weights(d_logits, d_stride, q_row + 0 * cols, cols, inside, d_shift, d_inv_t, d_floor, D_FLOOR,
+                         ACCURATE) / q_total
+    return wp, wq
+
+
+@triton.jit
+def _accept_rules_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total, num_rows,
+                         d_logits, d_stride, d_shift, d_inv_t, d_floor, d_total,
+                         tokens, block, lens, offsets, rule, seed_lo, seed_hi, ctx, accepted_out, successor_out,
+                         sums_in, vocab, num_chunks, rule_sampled, coin_key, residual_key, second_key,
+                         W: tl.constexpr, BLOCK_J: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+                         T_FLOOR: tl.constexpr, D_FLOOR: tl.constexpr, ACCURATE: tl.constexpr, SPLIT: tl.constexpr):
+    """One request: its accepted drafts and successor by its rule (`verify.accept_rules`'s reference: the top-1
+    rule's matches, or the sampled-drafts rule's coins against p(x) / q(x) and, after a rejection, the draw from
+    max(0, p - q) over the vocabulary in chunks, as `sampling.sample`'s two levels). SPLIT: the chunks' residual
+    and p sums come from `_residual_sums_kernel` (sums_in [B, num_chunks, 2]) instead of this program's own pass."""
+    b = tl.program_id(0)
+    acc, succ, residual, succ_row, q_row, lo, hi, c0 = _accept_head(
+        b, t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total, num_rows, d_logits, d_stride, d_shift, d_inv_t,
+        d_floor, d_total, tokens, block, lens, offsets, rule, seed_lo, seed_hi, ctx, rule_sampled, coin_key,
+        second_key, W, BLOCK_J, T_FLOOR, D_FLOOR, ACCURATE)
+    if residual:
         p_total = tl.load(t_total + succ_row)
         q_total = tl.load(d_total + q_row)
         c = tl.arange(0, BLOCK_C)
         lane = tl.arange(0, CHUNK)
-        sums_r = tl.zeros([BLOCK_C], tl.float64)
-        sums_p = tl.zeros([BLOCK_C], tl.float64)
-        for i in range(0, num_chunks):
-            cols = i * CHUNK + lane
-            inside = cols < vocab
-            wp = _policy_weights(t_logits, t_stride, succ_row + 0 * lane, cols, inside, t_shift, t_inv_t, t_floor,
-                                 T_FLOOR, ACCURATE) / p_total
-            wq = _policy_weights(d_logits, d_stride, q_row + 0 * lane, cols, inside, d_shift, d_inv_t, d_floor,
-                                 D_FLOOR, ACCURATE) / q_total
-            sums_r = tl.where(c == i, tl.sum(tl.maximum(wp - wq, 0.0), 0), sums_r)
-            sums_p = tl.where(c == i, tl.sum(wp, 0), sums_p)
+        valid = c < num_chunks
+        if SPLIT:
+            at_c = (b * num_chunks + c).to(tl.int64) * 2
+            sums_r = tl.load(sums_in + at_c, mask=valid, other=0.0)
+            sums_p = tl.load(sums_in + at_c + 1, mask=valid, other=0.0)
+        else:
+            sums_r = tl.zeros([BLOCK_C], tl.float64)
+            sums_p = tl.zeros([BLOCK_C], tl.float64)
+            for i in range(0, num_chunks):
+                cols = i * CHUNK + lane
+                wp, wq = _residual_weights(cols, cols < vocab, t_logits, t_stride, t_shift, t_inv_t, t_floor,
+                                           succ_row, p_total, d_logits, d_stride, d_shift, d_inv_t, d_floor, q_row,
+                                           q_total, T_FLOOR, D_FLOOR, ACCURATE)
+                sums_r = tl.where(c == i, tl.sum(tl.maximum(wp - wq, 0.0), 0), sums_r)
+                sums_p = tl.where(c == i, tl.sum(wp, 0), sums_p)
         # NOTE: p == q at that row makes a rejection impossible: the residual is then p (never used)
         use_p = tl.sum(sums_r, 0) <= 0
         sums = tl.where(use_p, sums_p, sums_r)
-        valid = c < num_chunks
         cum = tl.cumsum(sums, 0)
         positive = valid & (sums > 0)
         last = tl.max(tl.where(positive, c, -1), 0)
@@ -271,11 +301,9 @@ def _accept_rules_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total,
         at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
         prefix = tl.sum(tl.where(c < at, sums, 0.0), 0)
         cols = at * CHUNK + lane
-        inside = cols < vocab
-        wp = _policy_weights(t_logits, t_stride, succ_row + 0 * lane, cols, inside, t_shift, t_inv_t, t_floor, T_FLOOR,
-                             ACCURATE) / p_total
-        wq = _policy_weights(d_logits, d_stride, q_row + 0 * lane, cols, inside, d_shift, d_inv_t, d_floor, D_FLOOR,
-                             ACCURATE) / q_total
+        wp, wq = _residual_weights(cols, cols < vocab, t_logits, t_stride, t_shift, t_inv_t, t_floor, succ_row,
+                                   p_total, d_logits, d_stride, d_shift, d_inv_t, d_floor, q_row, q_total, T_FLOOR,
+                                   D_FLOOR, ACCURATE)
         w = tl.where(use_p, wp, tl.maximum(wp - wq, 0.0))
         local = tl.cumsum(w, 0) + prefix
         live = w > 0
@@ -283,6 +311,31 @@ def _accept_rules_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total,
         succ = (at * CHUNK + pick).to(tl.int64)
     tl.store(accepted_out + b, acc.to(tl.int64))
     tl.store(successor_out + b, succ)
+
+
+@triton.jit
+def _residual_sums_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total, num_rows,
+                          d_logits, d_stride, d_shift, d_inv_t, d_floor, d_total,
+                          tokens, block, lens, offsets, rule, seed_lo, seed_hi, ctx, sums_out, vocab, num_chunks,
+                          rule_sampled, coin_key, second_key, W: tl.constexpr, BLOCK_J: tl.constexpr,
+                          CHUNK: tl.constexpr, T_FLOOR: tl.constexpr, D_FLOOR: tl.constexpr, ACCURATE: tl.constexpr):
+    """Program (b, i): request b's acceptance as `_accept_rules_kernel` finds it and, where it draws the residual,
+    chunk i's sums of max(0, p - q) and of p -> sums_out[b, i, 0:2] (the sequential pass's sums, in parallel);
+    other requests write nothing (their sums are never read)."""
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    acc, succ, residual, succ_row, q_row, lo, hi, c0 = _accept_head(
+        b, t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total, num_rows, d_logits, d_stride, d_shift, d_inv_t,
+        d_floor, d_total, tokens, block, lens, offsets, rule, seed_lo, seed_hi, ctx, rule_sampled, coin_key,
+        second_key, W, BLOCK_J, T_FLOOR, D_FLOOR, ACCURATE)
+    if residual:
+        cols = i * CHUNK + tl.arange(0, CHUNK)
+        wp, wq = _residual_weights(cols, cols < vocab, t_logits, t_stride, t_shift, t_inv_t, t_floor, succ_row,
+                                   tl.load(t_total + succ_row), d_logits, d_stride, d_shift, d_inv_t, d_floor, q_row,
+                                   tl.load(d_total + q_row), T_FLOOR, D_FLOOR, ACCURATE)
+        at = (b * num_chunks + i).to(tl.int64) * 2
+        tl.store(sums_out + at, tl.sum(tl.maximum(wp - wq, 0.0), 0))
+        tl.store(sums_out + at + 1, tl.sum(wp, 0))
 
 
 def chunk_exp_sums_triton(logits: torch.Tensor, shift: torch.Tensor, inv_t: torch.Tensor, chunk: int,
@@ -394,20 +447,18 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
 def accept_rules_triton(target: tuple, draft: tuple, tokens: torch.Tensor, block: torch.Tensor, lens: torch.Tensor,
                         offsets: torch.Tensor, rule: torch.Tensor, rule_sampled: int, seed_lo: torch.Tensor,
                         seed_hi: torch.Tensor, ctx: torch.Tensor, coin_key: int, residual_key: int, second_key: int,
-                        chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accepted drafts [B] and successors [B] of every request by its rule in one launch (one program per request).
+                        chunk: int = 1024, split: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted drafts [B] and successors [B] of every request by its rule (one program per request).
     `target` / `draft`: (logits [R, V] with contiguous rows, shift fp32 [R], inv_t fp32 [R], floor fp32 [R] or None,
     total fp64 [R]): p at the M verification rows, q at the B x (W-1) draft slots (row b (W-1) + j - 1 for slot j);
     tokens [M]: the rows' target tokens; block [B, W]; rule [B] (== rule_sampled: the sampled-drafts rule, else
     the top-1 rule); draws keyed by the requests' seeds at ctx + slot (coins) and ctx + 1 (the residual). `chunk`
-    (default: 1,024 entries up to ROW_PROGRAM_VOCAB, else 4,096 over 8 warps, a quarter of the sequential passes a
-    program makes over Qwen3's 151,936 entries; compiled for sm_90 without spills, not timed yet) only orders the
-    residual's sums."""
+    only orders the residual's sums. `split` (default: above ROW_PROGRAM_VOCAB tokens) sums the residual's chunks in
+    a first launch of B x chunks programs, so the request's program no longer walks the vocabulary alone (Qwen3's
+    151,936 entries: 149 sequential chunks): two launches, the same sums, the same tokens."""
     t_logits, t_shift, t_inv_t, t_floor, t_total = target
     d_logits, d_shift, d_inv_t, d_floor, d_total = draft
     b, w = block.shape
-    if chunk is None:
-        chunk = 1024 if t_logits.shape[1] <= ROW_PROGRAM_VOCAB else 4096
     assert t_logits.stride(-1) == 1 and d_logits.stride(-1) == 1 and chunk & (chunk - 1) == 0
     assert t_logits.shape[1] == d_logits.shape[1] and d_logits.shape[0] == b * (w - 1)
     for name, logits in (("target", t_logits), ("draft", d_logits)):
@@ -421,16 +472,22 @@ def accept_rules_triton(target: tuple, draft: tuple, tokens: torch.Tensor, block
         return accepted, successor
     vocab = t_logits.shape[1]
     num_chunks = -(-vocab // chunk)
+    if split is None:
+        split = vocab > ROW_PROGRAM_VOCAB
     f32 = lambda t: t.float().contiguous()  # noqa: E731
-    _accept_rules_kernel[(b,)](t_logits, t_logits.stride(0), f32(t_shift), f32(t_inv_t),
-                               f32(t_shift if t_floor is None else t_floor), t_total.double().contiguous(),
-                               t_logits.shape[0], d_logits, d_logits.stride(0), f32(d_shift), f32(d_inv_t),
-                               f32(d_shift if d_floor is None else d_floor), d_total.double().contiguous(),
-                               tokens.contiguous(), block.contiguous(), lens.contiguous(), offsets.contiguous(),
-                               rule.contiguous(), seed_lo.long().contiguous(), seed_hi.long().contiguous(),
-                               ctx.long().contiguous(), accepted, successor, vocab, num_chunks, rule_sampled, coin_key,
-                               residual_key, second_key, W=w, BLOCK_J=triton.next_power_of_2(w), CHUNK=chunk,
-                               BLOCK_C=triton.next_power_of_2(num_chunks), T_FLOOR=t_floor is not None,
-                               D_FLOOR=d_floor is not None, ACCURATE=not interpreted(),
-                               num_warps=4 if chunk <= 1024 else 8)
+    args = (t_logits, t_logits.stride(0), f32(t_shift), f32(t_inv_t), f32(t_shift if t_floor is None else t_floor),
+            t_total.double().contiguous(), t_logits.shape[0], d_logits, d_logits.stride(0), f32(d_shift),
+            f32(d_inv_t), f32(d_shift if d_floor is None else d_floor), d_total.double().contiguous(),
+            tokens.contiguous(), block.contiguous(), lens.contiguous(), offsets.contiguous(), rule.contiguous(),
+            seed_lo.long().contiguous(), seed_hi.long().contiguous(), ctx.long().contiguous())
+    consts = dict(W=w, BLOCK_J=triton.next_power_of_2(w), CHUNK=chunk, T_FLOOR=t_floor is not None,
+                  D_FLOOR=d_floor is not None, ACCURATE=not interpreted(), num_warps=4 if chunk <= 1024 else 8)
+    # NOTE: allocated by torch on the logits' device: inside a CUDA graph capture, from the graph's pool.
+    sums = torch.empty(b, num_chunks, 2, dtype=torch.float64, device=block.device) if split else accepted
+    if split:
+        _residual_sums_kernel[(b, num_chunks)](*args, sums, vocab, num_chunks, rule_sampled, coin_key, second_key,
+                                               **consts)
+    _accept_rules_kernel[(b,)](*args, accepted, successor, sums, vocab, num_chunks, rule_sampled, coin_key,
+                               residual_key, second_key, BLOCK_C=triton.next_power_of_2(num_chunks), SPLIT=split,
+                               **consts)
     return accepted, successor
