@@ -221,10 +221,17 @@ def _resolved(backend: str, logits: torch.Tensor) -> str:
     return auto_backend(logits.device, torch.float32) if backend == "auto" else backend
 
 
-def _row_programs(logits: torch.Tensor, backend: str) -> bool:
-    """Whether logits [R, V] take `triton_sampling.row_tokens_triton` (one program per row, one launch): the Triton
-    path, contiguous rows of at most ROW_PROGRAM_VOCAB tokens in a dtype it reads."""
-    return (backend == "triton" and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] <= ROW_PROGRAM_VOCAB
+WIDE_ROW_VOCAB = 4096 * CDF_CHUNK
+"""Sampled rows of up to this many tokens take `row_tokens_triton`'s wide form above ROW_PROGRAM_VOCAB (its draw
+kernel holds a row's chunk sums in one block, as `sample`'s does)."""
+
+
+def _row_programs(logits: torch.Tensor, backend: str, sampled: bool = False) -> bool:
+    """Whether logits [R, V] take `triton_sampling.row_tokens_triton`: the Triton path, contiguous rows in a dtype it
+    reads, of at most ROW_PROGRAM_VOCAB tokens (one program per row, one launch) or, when `sampled`, WIDE_ROW_VOCAB
+    (its wide form, four launches)."""
+    limit = max(ROW_PROGRAM_VOCAB, WIDE_ROW_VOCAB) if sampled else ROW_PROGRAM_VOCAB
+    return (backend == "triton" and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] <= limit
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
@@ -258,15 +265,17 @@ def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Ten
     (`triton_sampling.row_tokens_triton`: argmax, floor, chunk sums, draw and inverse CDF, the unfused kernels'
     arithmetic), whether or not the policy is also built, so every step and prefill draws a token by one
     function; the policy then comes from the same launch (`Policy.from_rows`: its greedy rows hold placeholders,
-    finite, for a caller that reads only the sampled ones)."""
+    finite, for a caller that reads only the sampled ones). Sampled rows of a larger vocabulary (Qwen3's) take its
+    wide form: four launches, the same tokens and policy."""
     backend = _resolved(rows.backend, logits)
-    if _row_programs(logits, backend):
+    if _row_programs(logits, backend, sampled):
         from dscale_runtime.kernels.triton_sampling import row_tokens_triton
 
         stats = sampled and with_policy
         out = row_tokens_triton(logits, sampled, filtered, index, max_index, rows.greedy, rows.temperature,
                                 rows.top_k, rows.top_p, rows.seed_lo, rows.seed_hi, positions, offset,
-                                purpose_key(TARGET), _SECOND_KEY, stats=stats)
+                                purpose_key(TARGET), _SECOND_KEY, stats=stats,
+                                wide=logits.shape[1] > ROW_PROGRAM_VOCAB)
         if not stats:
             return out, None
         return out[0], Policy.from_rows(logits, out[1], filtered)
@@ -287,16 +296,17 @@ def draft_draws(logits: torch.Tensor, rows: SamplingRows, ctx: torch.Tensor, dra
     ctx + j + 1), each drawn from the drafter's policy q at u(seed, ctx + j + 1, DRAFT) where `drawn` [B] (bool)
     and its argmax (`argmax` [B, S]) elsewhere -> (drafts [B, S], q over the B x S slots). On the Triton path a
     vocabulary of at most ROW_PROGRAM_VOCAB tokens takes one launch for both (`row_tokens_triton` with its
-    rows' stats: the draws of `sample` on `make_policy`'s q); q's rows of undrawn requests then hold
-    placeholders (their drafts were not drawn from it, so no rule reads them)."""
+    rows' stats: the draws of `sample` on `make_policy`'s q), a larger one (up to WIDE_ROW_VOCAB) four; q's rows of
+    undrawn requests then hold placeholders (their drafts were not drawn from it, so no rule reads them)."""
     b, slots, vocab = logits.shape
     flat = logits.reshape(b * slots, vocab)
-    if _row_programs(flat, _resolved(rows.backend, flat)):
+    if _row_programs(flat, _resolved(rows.backend, flat), True):
         from dscale_runtime.kernels.triton_sampling import row_tokens_triton
 
         tokens, stats = row_tokens_triton(flat, True, filtered, None, 0, ~drawn, rows.temperature, rows.top_k,
                                           rows.top_p, rows.seed_lo, rows.seed_hi, ctx, 1, purpose_key(DRAFT),
-                                          _SECOND_KEY, per_request=slots, stats=True)
+                                          _SECOND_KEY, per_request=slots, stats=True,
+                                          wide=vocab > ROW_PROGRAM_VOCAB)
         return tokens.view(b, slots), Policy.from_rows(flat, stats, filtered)
     per_slot = rows.rows(torch.arange(b, device=logits.device).repeat_interleave(slots))
     q = make_policy(flat, per_slot, filtered)

@@ -288,8 +288,9 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
     request) == the reference rules (`accept_greedy`, `accept_sampled_drafts` with the keyed coins and residual
     draw) request for request: greedy, top-1 and sampled-draft requests in one packed batch, DScale-like prefix
     lengths (1 = no draft verified), rejections drawn from the residual over several chunks, whole blocks accepted.
-    Above ROW_PROGRAM_VOCAB (9,000) the drafts and target policy take the unfused path and only the acceptance fuses
-    (its residual's chunk sums in a launch of their own); either layout of those sums gives the other's tokens."""
+    Above ROW_PROGRAM_VOCAB (9,000) the drafts and the target's tokens take the row programs' wide form (four
+    launches) and the acceptance sums its residual's chunks in a launch of their own; below it the wide form is run
+    too, against the one-program rows; either layout of the residual's sums gives the other's tokens."""
     from dscale_runtime import sampling as sampling_module
     from dscale_runtime.kernels import triton_sampling
     from dscale_runtime.kernels.sampling import _SECOND_KEY, purpose_key
@@ -316,6 +317,9 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
                             torch.tensor([5, 2**32 - 1, 7, 123, 0, 9], device=device),
                             torch.tensor([0, 3, 2**31, 1, 0, 77], device=device), backend="triton")
     row_req = torch.repeat_interleave(torch.arange(b), lens.cpu()).tolist() + [b] * 3
+    # the rows whose policy a rule reads: sampled-draft requests' verification rows
+    live_rows = torch.tensor([r for r, i in enumerate(row_req) if i < b and rule[i] == RULE_SAMPLED], device=device)
+    small = vocab <= sampling_module.ROW_PROGRAM_VOCAB
     outcomes = collections.Counter()
     draws = 6 if device == "cpu" else 200
     for d in range(draws):
@@ -328,19 +332,28 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
         ctx = torch.randint(1, 2**31, (b,), generator=gen).to(device)
         argmax = d_logits.float().view(b, w - 1, vocab).argmax(-1)
         drafts, q = draft_draws(d_logits.view(b, w - 1, vocab), sampling, ctx, rule == RULE_SAMPLED, filtered, argmax)
-        with monkeypatch.context() as mp:
-            mp.setattr(sampling_module, "ROW_PROGRAM_VOCAB", 0)
-            want_drafts, want_q = draft_draws(d_logits.view(b, w - 1, vocab), sampling, ctx, rule == RULE_SAMPLED,
-                                              filtered, argmax)
-        assert torch.equal(drafts, want_drafts), d
         drawn_rows = torch.repeat_interleave(rule == RULE_SAMPLED, w - 1).nonzero()[:, 0]
-        assert torch.allclose(q.row_weights(drawn_rows) / q.total[drawn_rows, None],
-                              want_q.row_weights(drawn_rows) / want_q.total[drawn_rows, None], rtol=1e-9, atol=1e-15)
-        block = torch.cat([torch.randint(0, vocab, (b, 1), generator=gen).to(device), drafts], dim=1)
         positions = torch.randint(0, 2**31, (m,), generator=gen).to(device)
         index = torch.tensor(row_req, device=device)
         tokens, policy = target_tokens(t_logits, sampling, positions, filtered, True, index=index, max_index=b - 1,
                                        offset=1)
+        # the references: the unfused path (no row programs at all), and the other form of the row programs (the
+        # wide form's four launches below ROW_PROGRAM_VOCAB, the one-program rows above it cannot run)
+        layouts = [dict(ROW_PROGRAM_VOCAB=0, WIDE_ROW_VOCAB=0)] + ([dict(ROW_PROGRAM_VOCAB=0)] if small else [])
+        for layout in layouts:
+            with monkeypatch.context() as mp:
+                for name, value in layout.items():
+                    mp.setattr(sampling_module, name, value)
+                want_drafts, want_q = draft_draws(d_logits.view(b, w - 1, vocab), sampling, ctx, rule == RULE_SAMPLED,
+                                                  filtered, argmax)
+                want_tokens, want_p = target_tokens(t_logits, sampling, positions, filtered, True, index=index,
+                                                    max_index=b - 1, offset=1)
+            assert torch.equal(drafts, want_drafts), (d, layout)
+            assert torch.equal(tokens, want_tokens), (d, layout)
+            for mine, theirs, kept in ((q, want_q, drawn_rows), (policy, want_p, live_rows)):
+                assert torch.allclose(mine.row_weights(kept) / mine.total[kept, None],
+                                      theirs.row_weights(kept) / theirs.total[kept, None], rtol=1e-9, atol=1e-15)
+        block = torch.cat([torch.randint(0, vocab, (b, 1), generator=gen).to(device), drafts], dim=1)
         got = accept_rules(policy, q, block, tokens, lens, offsets, rule, RULE_SAMPLED, sampling, ctx)
         ref = dataclasses.replace(sampling, backend="ref")
         want = accept_rules(policy, q, block, tokens, lens, offsets, rule, RULE_SAMPLED, ref, ctx)
@@ -357,16 +370,16 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
                 outcomes["rejected" if want[0][i] < lens[i] - 1 else "all accepted"] += 1
                 outcomes["accepted drafts"] += int(want[0][i])
     assert outcomes["rejected"] >= 5 and outcomes["all accepted"] >= 5 and outcomes["accepted drafts"] >= 10, outcomes
-    # per draw: drafts and target tokens one launch each (the unfused reference's drafts none), acceptance one
-    rows_launched = 2 * draws if vocab <= sampling_module.ROW_PROGRAM_VOCAB else 0
-    assert launched == collections.Counter(row_tokens_triton=rows_launched, accept_rules_triton=draws), launched
+    # per draw: drafts and target tokens one call each (and again in the wide form's reference), acceptance one
+    assert launched == collections.Counter(row_tokens_triton=(4 if small else 2) * draws,
+                                           accept_rules_triton=draws), launched
 
 
 @needs_triton
 def test_compiled_sampler_kernels_build_for_sm90_without_spills():
     """The fused sampled step's kernels through Triton's compiler rather than its interpreter, without a GPU (the
     bundled ptxas, sm_90): the acceptance kernel at the demo pair's vocabulary (one program's pass over 4 chunks)
-    and at Qwen3's (149 chunks summed by the residual-sums kernel, also built), the row kernel drawing drafts with their policy stats, the keyed-uniforms kernel; none
+    and at Qwen3's (149 chunks summed by the residual-sums kernel, also built), the row kernel and its wide form drawing drafts with their policy stats, the keyed-uniforms kernel; none
     spills registers. The interpreter runs their arithmetic (the tests above), not their compiled form."""
     from offline import run_without_interpreter
 
@@ -399,11 +412,17 @@ consts = dict(SAMPLED=True, FILTERED=True, INDEXED=False, PER_REQ=15, STATS=True
               BLOCK_C=4, VBLOCK=4096, KEY_ALL=KEY_ALL, KEY_BITS=16, SCALE=float(2**MASS_BITS), ACCURATE=True, KEY16=True,
               DTYPE=tl.bfloat16)
 print("rows", build(ts._row_tokens_kernel, consts, rows, 4))
+wide = {"cmax": "*fp32", "carg": "*i64", "arg": "*i64", "shift_out": "*fp32", "inv_t_out": "*fp32", "arg_out": "*i64",
+        "sums": "*fp32", "shift": "*fp32", "inv_t": "*fp32", "floor": "*fp32", "total_out": "*fp64", **rows}
+print("rows wide max", build(ts._wide_max_kernel, dict(CHUNK=1024), wide, 4))
+print("rows wide row", build(ts._wide_row_kernel, dict(INDEXED=True, PER_REQ=1, BLOCK_C=256), wide, 4))
+print("rows wide draw", build(ts._wide_draw_kernel, dict(INDEXED=False, PER_REQ=15, FLOOR=True, CHUNK=1024,
+                                                          BLOCK_C=256), wide, 4))
 print("uniforms", build(ts._keyed_uniforms_kernel, dict(BLOCK=256), {"seed_lo": "*i64", "seed_hi": "*i64",
                                                                      "positions": "*i64", "out": "*fp64"}, 4))
 """)
     built = [line for line in lines if line.startswith(("accept", "rows", "uniforms"))]
-    assert len(built) == 5, lines
+    assert len(built) == 8, lines
     for line in built:
         assert line.endswith(("STACK:0", "?")), f"register spills: {line}"
 

@@ -193,6 +193,82 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
 
 
 @triton.jit
+def _wide_max_kernel(logits, stride_row, vocab, cmax, carg, num_chunks, CHUNK: tl.constexpr):
+    """Program (row, chunk): the chunk's largest logit (fp32) and its first index."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits + row.to(tl.int64) * stride_row + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    tl.store(cmax + row * num_chunks + chunk, m)
+    tl.store(carg + row * num_chunks + chunk, tl.min(tl.where(x == m, offs, vocab), 0).to(tl.int64))
+
+
+@triton.jit
+def _wide_request(row, index, max_index, INDEXED: tl.constexpr, PER_REQ: tl.constexpr):
+    """Row `row`'s request: min(index[row], max_index), or row // PER_REQ."""
+    if INDEXED:
+        return tl.minimum(tl.load(index + row), max_index)
+    return (row // PER_REQ).to(tl.int64)
+
+
+@triton.jit
+def _wide_row_kernel(cmax, carg, num_chunks, index, max_index, temperature, shift_out, inv_t_out, arg_out,
+                     INDEXED: tl.constexpr, PER_REQ: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One row: its largest logit (the policy's shift), its first argmax and its request's 1 / T (`sampling._inv_t`)."""
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_C)
+    m = tl.load(cmax + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    top = tl.max(m, 0)
+    first = tl.min(tl.where(m == top, c, BLOCK_C), 0)
+    req = _wide_request(row, index, max_index, INDEXED, PER_REQ)
+    tl.store(shift_out + row, top)
+    tl.store(inv_t_out + row, tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.maximum(tl.load(temperature + req), 1e-6)))
+    tl.store(arg_out + row, tl.load(carg + row * num_chunks + first))
+
+
+@triton.jit
+def _wide_draw_kernel(logits, stride_row, vocab, sums, num_chunks, shift, inv_t, floor, arg, index, max_index, greedy,
+                      seed_lo, seed_hi, positions, offset, key, second_key, out, total_out,
+                      INDEXED: tl.constexpr, PER_REQ: tl.constexpr, FLOOR: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+    """One row's token: its argmax where its request is greedy, else `_sample_kernel`'s draw at the keyed uniform of
+    its position (`target_tokens` / `draft_draws` unfused, bit for bit); the total weight beside it."""
+    row = tl.program_id(0)
+    req = _wide_request(row, index, max_index, INDEXED, PER_REQ)
+    c = tl.arange(0, BLOCK_C)
+    valid = c < num_chunks
+    chunk_sums = tl.load(sums + row * num_chunks + c, mask=valid, other=0.0).to(tl.float64)
+    cum = tl.cumsum(chunk_sums, 0)
+    positive = valid & (chunk_sums > 0)
+    last = tl.max(tl.where(positive, c, -1), 0)
+    total = tl.max(tl.where(c == last, cum, 0.0), 0)
+    token = tl.load(arg + row)
+    if tl.load(greedy + req) == 0:
+        u = _keyed_uniform(tl.load(seed_lo + req).to(tl.uint64) & 0xFFFFFFFF,
+                           tl.load(seed_hi + req).to(tl.uint64) & 0xFFFFFFFF,
+                           tl.load(positions + row // PER_REQ) + offset + row % PER_REQ, key, second_key)
+        value = u * total
+        at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
+        prefix = tl.sum(tl.where(c < at, chunk_sums, 0.0), 0)
+        lane = tl.arange(0, CHUNK)
+        offs = at * CHUNK + lane
+        inside = offs < vocab
+        x = tl.load(logits + row.to(tl.int64) * stride_row + offs, mask=inside, other=float("-inf")).to(tl.float32)
+        sl = (x - tl.load(shift + row)) * tl.load(inv_t + row)
+        w = tl.exp(sl).to(tl.float64)
+        if FLOOR:
+            w = tl.where(sl >= tl.load(floor + row), w, 0.0)
+        w = tl.where(inside, w, 0.0)
+        local = tl.cumsum(w, 0) + prefix
+        live = w > 0
+        k = tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0), tl.max(tl.where(live, lane, -1), 0))
+        token = (at * CHUNK + k).to(tl.int64)
+    tl.store(out + row, token)
+    tl.store(total_out + row, total)
+
+
+@triton.jit
 def _policy_weights(logits, stride_row, rows, cols, mask, shift, inv_t, floor, FLOOR: tl.constexpr,
                     ACCURATE: tl.constexpr):
     """float64 weights exp(s), s = (l - shift) * inv_t in fp32, 0 below the row's floor (`Policy.weights_at`) of
@@ -402,21 +478,31 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
                       top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
                       seed_lo: torch.Tensor | None = None, seed_hi: torch.Tensor | None = None,
                       positions: torch.Tensor | None = None, offset: int = 0, key: int = 0, second_key: int = 0,
-                      chunk: int = 1024, per_request: int = 1, stats: bool = False):
-    """The target's token of every row of logits [R, V] (V <= ROW_PROGRAM_VOCAB, contiguous rows) in one launch: the
-    argmax, or with `sampled` the keyed inverse-CDF draw of `sampling.target_tokens`'s unfused path for rows whose
-    request is not greedy. Row r reads its request's parameters (greedy / temperature / top_k / top_p / seeds
-    [B]) at min(index[r], max_index) (index None: at r // per_request) and draws at positions[r] + offset (index
-    None and per_request > 1: at positions[r // per_request] + offset + r % per_request, a request's slots) with the
-    32-bit `key` of its purpose. With `stats` (sampled only) -> (tokens, (shift fp32, inv_t fp32, floor fp32,
-    total fp64) [R]): each row's policy as `sampling.make_policy` keeps it, written by the same program."""
+                      chunk: int = 1024, per_request: int = 1, stats: bool = False, wide: bool | None = None):
+    """The target's token of every row of logits [R, V] (contiguous rows) in one launch: the argmax, or with `sampled`
+    the keyed inverse-CDF draw of `sampling.target_tokens`'s unfused path for rows whose request is not greedy. Row r
+    reads its request's parameters (greedy / temperature / top_k / top_p / seeds [B]) at min(index[r], max_index)
+    (index None: at r // per_request) and draws at positions[r] + offset (index None and per_request > 1: at
+    positions[r // per_request] + offset + r % per_request, a request's slots) with the 32-bit `key` of its
+    purpose. With `stats` (sampled only) -> (tokens, (shift fp32, inv_t fp32, floor fp32, total fp64) [R]): each
+    row's policy as `sampling.make_policy` keeps it, written by the same program.
+
+    `wide` (default: V > ROW_PROGRAM_VOCAB; sampled only): rows too long for one program (Qwen3's 151,936 tokens)
+    take four launches instead of the unfused path's ~20: the chunks' maxima, each row's shift / argmax / 1 / T, the
+    chunk sums (`chunk_exp_sums_triton`; the floors between, for `filtered`), then the draw or argmax with the total;
+    the same arithmetic, so the same tokens."""
     rows, vocab = logits.shape
-    assert vocab <= ROW_PROGRAM_VOCAB and logits.stride(-1) == 1 and chunk & (chunk - 1) == 0
+    wide = vocab > ROW_PROGRAM_VOCAB if wide is None else wide
+    assert (wide or vocab <= ROW_PROGRAM_VOCAB) and logits.stride(-1) == 1 and chunk & (chunk - 1) == 0
     if logits.dtype not in _DTYPES:
         raise ValueError(f"Triton row tokens take {_DTYPES} logits, got {logits.dtype}: use DSCALE_FUSED=ref "
                          "(KernelChoice.fused='ref')")
     require_interpreter_on_cpu(logits, "Triton row tokens", "fused")
-    assert not (stats and not sampled) and (per_request == 1 or index is None)
+    assert not (stats and not sampled) and (per_request == 1 or index is None) and (sampled or not wide)
+    if wide:
+        out, policy = _wide_row_tokens(logits, filtered, index, max_index, greedy, temperature, top_k, top_p, seed_lo,
+                                       seed_hi, positions, offset, key, second_key, chunk, per_request)
+        return (out, policy) if stats else out
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     policy = None
     if stats:
@@ -491,3 +577,40 @@ def accept_rules_triton(target: tuple, draft: tuple, tokens: torch.Tensor, block
                                residual_key, second_key, BLOCK_C=triton.next_power_of_2(num_chunks), SPLIT=split,
                                **consts)
     return accepted, successor
+
+
+def _wide_row_tokens(logits, filtered, index, max_index, greedy, temperature, top_k, top_p, seed_lo, seed_hi,
+                     positions, offset, key, second_key, chunk, per_request):
+    """`row_tokens_triton`'s wide form -> (tokens [R], (shift, inv_t, floor, total) [R])."""
+    from dscale_runtime.kernels.filters import filter_floor
+
+    rows, vocab = logits.shape
+    device = logits.device
+    num_chunks = -(-vocab // chunk)
+    block_c = triton.next_power_of_2(num_chunks)
+    # NOTE: allocated by torch on the logits' device: inside a CUDA graph capture, from the graph's pool.
+    out = torch.empty(rows, dtype=torch.long, device=device)
+    f32 = torch.empty(2, rows, dtype=torch.float32, device=device)
+    shift, inv_t, total = f32[0], f32[1], torch.empty(rows, dtype=torch.float64, device=device)
+    if rows == 0:
+        return out, (shift, inv_t, shift, total)
+    cmax = torch.empty(rows, num_chunks, dtype=torch.float32, device=device)
+    carg = torch.empty(rows, num_chunks, dtype=torch.long, device=device)
+    _wide_max_kernel[(rows, num_chunks)](logits, logits.stride(0), vocab, cmax, carg, num_chunks, CHUNK=chunk,
+                                         num_warps=4)
+    indexed = index is not None
+    index = index.long().contiguous() if indexed else out  # NOTE: never read unless INDEXED
+    consts = dict(INDEXED=indexed, PER_REQ=per_request, BLOCK_C=block_c)
+    _wide_row_kernel[(rows,)](cmax, carg, num_chunks, index, max_index, temperature.float().contiguous(), shift, inv_t,
+                              out, **consts, num_warps=4)
+    floor = None
+    if filtered:
+        req = index.clamp(max=max_index) if indexed else torch.arange(rows, device=device) // per_request
+        floor = filter_floor(logits, shift, inv_t, top_k[req], top_p[req], "triton")
+    sums = chunk_exp_sums_triton(logits, shift, inv_t, chunk, floor)
+    _wide_draw_kernel[(rows,)](logits, logits.stride(0), vocab, sums, num_chunks, shift, inv_t,
+                               shift if floor is None else floor, out, index, max_index, greedy.contiguous(),
+                               seed_lo.long().contiguous(), seed_hi.long().contiguous(), positions.long().contiguous(),
+                               offset, key, second_key, out, total, **consts, FLOOR=floor is not None, CHUNK=chunk,
+                               num_warps=4)
+    return out, (shift, inv_t, shift if floor is None else floor, total)
