@@ -7,6 +7,8 @@
 #            touched, at the commit before it), side by side
 #   qwen:    the same at Qwen3-8B shape, N = 8, 16, 32 (issue 25 acceptance 2: half-sampled / greedy <= 1.05)
 #   profile: kernels per step of the demo pair's greedy and sampled DFlash steps, N = 1
+#   qwen_profile (not in the default): kernels per step at Qwen3-8B shape, N = 8, DFlash and DScale, greedy and
+#            half-sampled (where a sampled step's extra time goes at a 151,936-token vocabulary)
 # Usage: [BASE_TAR=base.tar] [PARTS="tests demo base qwen profile"] bash benchmarks/sampled_step_gpu.sh OUT_DIR
 set -uo pipefail
 source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
@@ -33,5 +35,9 @@ fi
 if part profile; then
   run profile 100 python benchmarks/gpu_step.py --shapes demo --ns 1 --sections profile --profile-modes target dflash \
     --profile-sampling greedy sampled mixed_top_p --out "$out/demo_profile.json"
+fi
+if part qwen_profile; then
+  run qwen_profile 150 python benchmarks/gpu_step.py --shapes qwen3-8b --ns 8 --sections profile \
+    --profile-modes dflash dscale --profile-sampling greedy mixed --out "$out/qwen_profile.json"
 fi
 exit $status
