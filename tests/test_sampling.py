@@ -381,8 +381,10 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
 def test_compiled_sampler_kernels_build_for_sm90_without_spills():
     """The fused sampled step's kernels through Triton's compiler rather than its interpreter, without a GPU (the
     bundled ptxas, sm_90): the acceptance kernel at the demo pair's vocabulary (one program's pass over 4 chunks)
-    and at Qwen3's (149 chunks summed by the residual-sums kernel, also built), the row kernel and its wide form drawing drafts with their policy stats, the keyed-uniforms kernel; none
-    spills registers. The interpreter runs their arithmetic (the tests above), not their compiled form."""
+    and at Qwen3's (149 chunks summed by the residual-sums kernel, also built), the row kernel drawing drafts with
+    their policy stats and its wide form's three kernels, the unfused sampler's two-level search, the keyed-uniforms
+    kernel; none spills registers. The interpreter runs their arithmetic (the tests above), not their compiled
+    form."""
     from offline import run_without_interpreter
 
     lines = run_without_interpreter("""
@@ -420,11 +422,14 @@ print("rows wide max", build(ts._wide_max_kernel, dict(CHUNK=1024), wide, 4))
 print("rows wide row", build(ts._wide_row_kernel, dict(INDEXED=True, PER_REQ=1, BLOCK_C=256), wide, 4))
 print("rows wide draw", build(ts._wide_draw_kernel, dict(INDEXED=False, PER_REQ=15, FLOOR=True, CHUNK=1024,
                                                           BLOCK_C=256), wide, 4))
+print("rows sample", build(ts._sample_kernel, dict(LOGITS=True, FLOOR=True, CHUNK=1024, BLOCK_C=256),
+                          {"values": "*bf16", "shift": "*fp32", "inv_t": "*fp32", "floor": "*fp32", "chunk_sums": "*fp64",
+                           "u": "*fp64", "out": "*i64"}, 4))
 print("uniforms", build(ts._keyed_uniforms_kernel, dict(BLOCK=256), {"seed_lo": "*i64", "seed_hi": "*i64",
                                                                      "positions": "*i64", "out": "*fp64"}, 4))
 """)
     built = [line for line in lines if line.startswith(("accept", "rows", "uniforms"))]
-    assert len(built) == 8, lines
+    assert len(built) == 9, lines
     for line in built:
         assert line.endswith(("STACK:0", "?")), f"register spills: {line}"
 

@@ -79,6 +79,32 @@ def _keyed_uniforms_kernel(seed_lo, seed_hi, positions, out, total, per_row, key
 
 
 @triton.jit
+def _locate_chunk(sums, valid, c, u, BLOCK_C: tl.constexpr):
+    """The inverse CDF's first level over one row's chunk sums [BLOCK_C] float64 (0 where not `valid`) at the uniform
+    u: (the chunk, the weight of the chunks before it, u x the total, the total)."""
+    # NOTE: a parallel scan rounds each prefix in its own order, so its values need not be monotone (zeros added
+    # can still change them): pick the first positive entry whose running total exceeds the value, else the last
+    # positive entry; a zero-weight chunk or token is never chosen.
+    cum = tl.cumsum(sums, 0)
+    positive = valid & (sums > 0)
+    last = tl.max(tl.where(positive, c, -1), 0)
+    total = tl.max(tl.where(c == last, cum, 0.0), 0)
+    value = u * total
+    at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
+    return at, tl.sum(tl.where(c < at, sums, 0.0), 0), value, total
+
+
+@triton.jit
+def _locate_token(w, prefix, value, CHUNK: tl.constexpr):
+    """The second level: the lane of the chunk's weights w [CHUNK] float64 where the running total (from `prefix`)
+    first exceeds `value`, else its last positive lane."""
+    lane = tl.arange(0, CHUNK)
+    local = tl.cumsum(w, 0) + prefix
+    live = w > 0
+    return tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0), tl.max(tl.where(live, lane, -1), 0))
+
+
+@triton.jit
 def _sample_kernel(values, shift, inv_t, floor, chunk_sums, u, out, vocab, stride_row, num_chunks,
                    LOGITS: tl.constexpr, FLOOR: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
     """One row: locate the chunk where u x total falls (its chunk sums' running total), then the token inside
@@ -87,18 +113,8 @@ def _sample_kernel(values, shift, inv_t, floor, chunk_sums, u, out, vocab, strid
     c = tl.arange(0, BLOCK_C)
     valid = c < num_chunks
     sums = tl.load(chunk_sums + row * num_chunks + c, mask=valid, other=0.0).to(tl.float64)
-    # NOTE: a parallel scan rounds each prefix in its own order, so its values need not be monotone (zeros added
-    # can still change them): pick the first positive entry whose running total exceeds the value, else the last
-    # positive entry; a zero-weight chunk or token is never chosen.
-    cum = tl.cumsum(sums, 0)
-    positive = valid & (sums > 0)
-    last = tl.max(tl.where(positive, c, -1), 0)
-    total = tl.max(tl.where(c == last, cum, 0.0), 0)
-    value = tl.load(u + row).to(tl.float64) * total
-    at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
-    prefix = tl.sum(tl.where(c < at, sums, 0.0), 0)
-    lane = tl.arange(0, CHUNK)
-    offs = at * CHUNK + lane
+    at, prefix, value, total = _locate_chunk(sums, valid, c, tl.load(u + row).to(tl.float64), BLOCK_C)
+    offs = at * CHUNK + tl.arange(0, CHUNK)
     inside = offs < vocab
     if LOGITS:
         x = tl.load(values + row * stride_row + offs, mask=inside, other=float("-inf")).to(tl.float32)
@@ -109,10 +125,7 @@ def _sample_kernel(values, shift, inv_t, floor, chunk_sums, u, out, vocab, strid
     else:
         w = tl.load(values + row * stride_row + offs, mask=inside, other=0.0).to(tl.float64)
     w = tl.where(inside, w, 0.0)
-    local = tl.cumsum(w, 0) + prefix
-    live = w > 0
-    k = tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0), tl.max(tl.where(live, lane, -1), 0))
-    tl.store(out + row, (at * CHUNK + k).to(tl.int64))
+    tl.store(out + row, (at * CHUNK + _locate_token(w, prefix, value, CHUNK)).to(tl.int64))
 
 
 @triton.jit
@@ -163,27 +176,15 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
             u = _keyed_uniform(tl.load(seed_lo + req).to(tl.uint64) & 0xFFFFFFFF,
                                tl.load(seed_hi + req).to(tl.uint64) & 0xFFFFFFFF,
                                tl.load(positions + row // PER_REQ) + offset + row % PER_REQ, key, second_key)
-            valid = c < NUM_CHUNKS
-            cum = tl.cumsum(sums, 0)
-            positive = valid & (sums > 0)
-            last = tl.max(tl.where(positive, c, -1), 0)
-            total = tl.max(tl.where(c == last, cum, 0.0), 0)
-            value = u * total
-            at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
-            prefix = tl.sum(tl.where(c < at, sums, 0.0), 0)
-            lane = tl.arange(0, CHUNK)
-            co = at * CHUNK + lane
+            at, prefix, value, total = _locate_chunk(sums, c < NUM_CHUNKS, c, u, BLOCK_C)
+            co = at * CHUNK + tl.arange(0, CHUNK)
             chunk_in = co < vocab
             sl = (tl.load(base + co, mask=chunk_in, other=float("-inf")).to(tl.float32) - m) * it
             w = tl.exp(sl).to(tl.float64)
             if FILTERED:
                 w = tl.where(sl >= floor, w, 0.0)
             w = tl.where(chunk_in, w, 0.0)
-            local = tl.cumsum(w, 0) + prefix
-            live = w > 0
-            k = tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0),
-                           tl.max(tl.where(live, lane, -1), 0))
-            token = (at * CHUNK + k).to(tl.int64)
+            token = (at * CHUNK + _locate_token(w, prefix, value, CHUNK)).to(tl.int64)
         if STATS:
             tl.store(stat_shift + row, m)
             tl.store(stat_inv_t + row, it)
@@ -239,20 +240,13 @@ def _wide_draw_kernel(logits, stride_row, vocab, sums, num_chunks, shift, inv_t,
     c = tl.arange(0, BLOCK_C)
     valid = c < num_chunks
     chunk_sums = tl.load(sums + row * num_chunks + c, mask=valid, other=0.0).to(tl.float64)
-    cum = tl.cumsum(chunk_sums, 0)
-    positive = valid & (chunk_sums > 0)
-    last = tl.max(tl.where(positive, c, -1), 0)
-    total = tl.max(tl.where(c == last, cum, 0.0), 0)
+    u = _keyed_uniform(tl.load(seed_lo + req).to(tl.uint64) & 0xFFFFFFFF,
+                       tl.load(seed_hi + req).to(tl.uint64) & 0xFFFFFFFF,
+                       tl.load(positions + row // PER_REQ) + offset + row % PER_REQ, key, second_key)
+    at, prefix, value, total = _locate_chunk(chunk_sums, valid, c, u, BLOCK_C)
     token = tl.load(arg + row)
     if tl.load(greedy + req) == 0:
-        u = _keyed_uniform(tl.load(seed_lo + req).to(tl.uint64) & 0xFFFFFFFF,
-                           tl.load(seed_hi + req).to(tl.uint64) & 0xFFFFFFFF,
-                           tl.load(positions + row // PER_REQ) + offset + row % PER_REQ, key, second_key)
-        value = u * total
-        at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
-        prefix = tl.sum(tl.where(c < at, chunk_sums, 0.0), 0)
-        lane = tl.arange(0, CHUNK)
-        offs = at * CHUNK + lane
+        offs = at * CHUNK + tl.arange(0, CHUNK)
         inside = offs < vocab
         x = tl.load(logits + row.to(tl.int64) * stride_row + offs, mask=inside, other=float("-inf")).to(tl.float32)
         sl = (x - tl.load(shift + row)) * tl.load(inv_t + row)
@@ -260,10 +254,7 @@ def _wide_draw_kernel(logits, stride_row, vocab, sums, num_chunks, shift, inv_t,
         if FLOOR:
             w = tl.where(sl >= tl.load(floor + row), w, 0.0)
         w = tl.where(inside, w, 0.0)
-        local = tl.cumsum(w, 0) + prefix
-        live = w > 0
-        k = tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0), tl.max(tl.where(live, lane, -1), 0))
-        token = (at * CHUNK + k).to(tl.int64)
+        token = (at * CHUNK + _locate_token(w, prefix, value, CHUNK)).to(tl.int64)
     tl.store(out + row, token)
     tl.store(total_out + row, total)
 
@@ -369,22 +360,14 @@ def _accept_rules_kernel(t_logits, t_stride, t_shift, t_inv_t, t_floor, t_total,
         # NOTE: p == q at that row makes a rejection impossible: the residual is then p (never used)
         use_p = tl.sum(sums_r, 0) <= 0
         sums = tl.where(use_p, sums_p, sums_r)
-        cum = tl.cumsum(sums, 0)
-        positive = valid & (sums > 0)
-        last = tl.max(tl.where(positive, c, -1), 0)
-        total = tl.max(tl.where(c == last, cum, 0.0), 0)
-        value = _keyed_uniform(lo, hi, c0 + 1, residual_key, second_key) * total
-        at = tl.minimum(tl.min(tl.where(positive & (cum > value), c, BLOCK_C), 0), last)
-        prefix = tl.sum(tl.where(c < at, sums, 0.0), 0)
+        at, prefix, value, total = _locate_chunk(sums, valid, c, _keyed_uniform(lo, hi, c0 + 1, residual_key,
+                                                                                 second_key), BLOCK_C)
         cols = at * CHUNK + lane
         wp, wq = _residual_weights(cols, cols < vocab, t_logits, t_stride, t_shift, t_inv_t, t_floor, succ_row,
                                    p_total, d_logits, d_stride, d_shift, d_inv_t, d_floor, q_row, q_total, T_FLOOR,
                                    D_FLOOR, ACCURATE)
         w = tl.where(use_p, wp, tl.maximum(wp - wq, 0.0))
-        local = tl.cumsum(w, 0) + prefix
-        live = w > 0
-        pick = tl.minimum(tl.min(tl.where(live & (local > value), lane, CHUNK), 0), tl.max(tl.where(live, lane, -1), 0))
-        succ = (at * CHUNK + pick).to(tl.int64)
+        succ = (at * CHUNK + _locate_token(w, prefix, value, CHUNK)).to(tl.int64)
     tl.store(accepted_out + b, acc.to(tl.int64))
     tl.store(successor_out + b, succ)
 
