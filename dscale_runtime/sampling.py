@@ -222,15 +222,15 @@ def _resolved(backend: str, logits: torch.Tensor) -> str:
 
 
 WIDE_ROW_VOCAB = 4096 * CDF_CHUNK
-"""Sampled rows of up to this many tokens take `row_tokens_triton`'s wide form above ROW_PROGRAM_VOCAB (its draw
-kernel holds a row's chunk sums in one block, as `sample`'s does)."""
+"""Sampled rows of up to this many tokens take `row_tokens_triton`: one program per row up to ROW_PROGRAM_VOCAB, its
+wide form above (whose draw kernel holds a row's chunk sums in one block, as `sample`'s does)."""
 
 
 def _row_programs(logits: torch.Tensor, backend: str, sampled: bool = False) -> bool:
     """Whether logits [R, V] take `triton_sampling.row_tokens_triton`: the Triton path, contiguous rows in a dtype it
     reads, of at most ROW_PROGRAM_VOCAB tokens (one program per row, one launch) or, when `sampled`, WIDE_ROW_VOCAB
-    (its wide form, four launches)."""
-    limit = max(ROW_PROGRAM_VOCAB, WIDE_ROW_VOCAB) if sampled else ROW_PROGRAM_VOCAB
+    (above ROW_PROGRAM_VOCAB its wide form, four launches)."""
+    limit = WIDE_ROW_VOCAB if sampled else ROW_PROGRAM_VOCAB
     return (backend == "triton" and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[1] <= limit
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
 

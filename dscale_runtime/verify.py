@@ -118,8 +118,9 @@ def accept_rules(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # accepted_lens [N], successor [N]
     """Each request by its own rule in one batch: `accept_greedy` where it takes top-1 drafts, `accept_sampled_drafts`
     (coins u(seed, ctx + j, COIN), residual u(seed, ctx + 1, RESIDUAL)) where it samples them. On the Triton path
-    with both policies kept as logits, one launch does both (`triton_sampling.accept_rules_triton`: the same
-    arithmetic, its sums rounded in their own order; the unfused step took ~100 launches)."""
+    with both policies kept as logits, one launch does both, two above ROW_PROGRAM_VOCAB tokens
+    (`triton_sampling.accept_rules_triton`: the same arithmetic, its sums rounded in their own order; the unfused
+    step took ~100 launches)."""
     values = target.values
     if (_resolved(rows.backend, values) == "triton" and isinstance(draft, Policy) and draft.shift is not None
             and target.shift is not None and values.stride(-1) == 1 and draft.values.stride(-1) == 1):
