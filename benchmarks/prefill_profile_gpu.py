@@ -5,8 +5,8 @@ attention grid, and a `torch.profiler` breakdown of its eager forward (same buff
 
 Why: start-up times on the H100 (2026-12-05) did not grow with the tokens: at Qwen3-8B shape 16 tokens cost 7.9 ms,
 32 cost 14.6, 64 cost 15.3; on the demo pair 512 tokens cost 2.35 ms and 1,536 cost 2.13. They followed the
-attention's program count (request slots x head groups x query tiles x key splits), so buckets now have a
-one-request variant (`PrefillRunner.solo`); both variants are profiled.
+attention's program count (request slots x head groups x query tiles x key splits), so buckets now have variants
+with fewer request slots (`PrefillRunner.variants`: 1, 4, 16, ..., the full count); every variant is profiled.
 
     python benchmarks/prefill_profile_gpu.py --buckets 16 32 64 512 1536 --out prof.json             # demo pair
     python benchmarks/prefill_profile_gpu.py --shape qwen3-8b --buckets 16 32 64 128 --out prof8b.json
@@ -75,11 +75,11 @@ def main() -> None:
         if tokens not in pre.buckets:
             print(f"[profile] {tokens}: not a bucket ({pre.buckets})", flush=True)
             continue
-        for solo in pre.variants():
+        for slots in pre.variants(tokens):
             try:
-                row = profile_bucket(pre, cfg, tokens, solo, span, free, args)
+                row = profile_bucket(pre, cfg, tokens, slots, span, free, args)
             except Exception as exc:  # noqa: BLE001 - one bucket's failure is reported, the others still run
-                print(f"[profile] bucket {tokens} solo={solo}: {type(exc).__name__}: {exc}", flush=True)
+                print(f"[profile] bucket {tokens} slots={slots}: {type(exc).__name__}: {exc}", flush=True)
                 continue
             rows.append(row)
             print(f"[profile] bucket {tokens}: slots {row['request_slots']}, splits {row['kv_splits']}, grid "
@@ -95,11 +95,11 @@ def main() -> None:
                                             "rows": rows}, indent=1))
 
 
-def profile_bucket(pre, cfg, tokens: int, solo: bool, span: int, free: int, args) -> dict:
-    """One bucket's (its one-request variant's with `solo`) replay times, grid and kernel breakdowns, one request's
-    chunk of `tokens` in it."""
-    step = pre.get(tokens, False, False, solo)
-    row = {"bucket": tokens, "solo": solo, "request_slots": step.buf.requests, "kv_splits": step.kv_splits}
+def profile_bucket(pre, cfg, tokens: int, slots: int, span: int, free: int, args) -> dict:
+    """One bucket's variant of `slots` request slots: replay times, grid and kernel breakdowns, one request's chunk
+    of `tokens` in it."""
+    step = pre.get(tokens, False, False, slots)
+    row = {"bucket": tokens, "solo": slots == 1, "request_slots": step.buf.requests, "kv_splits": step.kv_splits}
     tile = pre.target.kernels.attention_tile or tile_rows_for(tokens)
     heads = heads_per_program(cfg.num_attention_heads // cfg.num_key_value_heads, tile)
     row["attention_grid"] = [step.buf.requests + 1, cfg.num_attention_heads // heads,

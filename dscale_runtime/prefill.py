@@ -9,10 +9,13 @@ in this chunk (or padding slots) write their first-token draw to the device stat
 every index (rows, positions, cache slots, query bounds, block tables) with numpy and stages them in one copy
 per dtype (pinned, alternating on CUDA, as the decode buffers do), so a replay needs no host read.
 
-With more than one request slot a bucket also has a one-request variant (R = 1), which a chunk of one request
-replays (a long prompt beside decoding): the attention launches a program per request slot, head group, query
-tile and key split whether a slot is used or not, and the full buckets' start-up times follow that count rather
-than their tokens (docs/benchmarks.md, 2026-12-05).
+With more than one request slot a bucket also has variants with fewer slots: R = 1 (a chunk of one request, a long
+prompt beside decoding) and every power of SLOT_VARIANT_STEP below max_requests (4, 16, ...: a group of
+admitted requests). A prefill of n requests replays the bucket's smallest variant with at least n slots: the
+attention launches a program per request slot, head group, query tile and key split whether a slot is used or
+not, and the full buckets' start-up times follow that count rather than their tokens (docs/benchmarks.md,
+2026-12-05: on the demo pair one request on the 32-slot 256-token bucket took 1.30 ms, on its one-slot variant
+0.37 ms).
 
 Token counts above the largest bucket run the same function eagerly on buffers of their own size (rounded up to
 16 rows, the Triton kernels' specialisation of the captured sizes). Without padding (`pad=False`, the CPU
@@ -41,6 +44,18 @@ RULE_GREEDY = 0  # the runner's rule codes (runner.RULE_GREEDY); sampling tuples
 ROW_ALIGN = 16  # eager token counts are padded to this (the captured buckets are multiples of it)
 FLOOR_FACTOR = 1.5  # a chunk beside decoding may take this many times the cheapest chunk's time (`budget`)
 KINDS = ((False, False), (True, False), (True, True))  # (sampled, filtered) of the first-token draw
+SLOT_VARIANT_STEP = 4
+"""Besides its full request slots and one, a bucket is captured with every power of this many slots in between."""
+
+
+def slot_variants(max_requests: int) -> tuple[int, ...]:
+    """The request-slot counts a bucket is captured with, ascending, the full count last: 1, 4, 16, ...,
+    max_requests (just max_requests when it is 1)."""
+    counts, r = {max_requests}, 1
+    while r < max_requests:
+        counts.add(r)
+        r *= SLOT_VARIANT_STEP
+    return tuple(sorted(counts))
 
 
 def default_prefill_buckets(max_tokens: int) -> list[int]:
@@ -241,10 +256,13 @@ class PrefillRunner:
         self.use_graphs = use_graphs
         self.device = torch.device(device)
         self.pool = pool
+        self.slot_counts = slot_variants(max_requests) if self.pad else (max_requests,)
+        """The request slots each bucket is captured with (`slot_variants`; at most the bucket's tokens): a prefill
+        of n requests replays the smallest variant with at least n."""
         self.solo = self.pad and max_requests > 1
         """Whether every bucket has a one-request variant (one request slot) beside its full one."""
         self.buffers: dict[tuple[int, int], PrefillBuffers] = {}  # (tokens, request slots) -> buffers
-        self.steps: dict[tuple[int, bool, bool, bool], PrefillStep] = {}  # (tokens, solo, sampled, filtered)
+        self.steps: dict[tuple[int, int, bool, bool], PrefillStep] = {}  # (tokens, request slots, sampled, filtered)
         self.bucket_ms: dict[int, tuple[float, float, int]] = {}
         """Each captured bucket's greedy prefill of one request's chunk, measured (`measure`; on the one-request
         variant where there is one): (ms from position 0, ms after a context of `c` keys, c); a chunk after `ctx`
@@ -273,18 +291,23 @@ class PrefillRunner:
         return next((b for b in self.buckets if b >= tokens), None)
 
     def _requests_of(self, tokens: int, solo: bool = False) -> int:
-        return 1 if solo else min(tokens, self.max_requests)
+        """The request slots of a bucket's full variant (its one-request variant with `solo`)."""
+        return 1 if solo and self.solo else min(tokens, self.max_requests)
 
-    def variants(self) -> tuple[bool, ...]:
-        """The `solo` values each bucket has: the full bucket, and the one-request variant where there is one."""
-        return (False, True) if self.solo else (False,)
+    def variants(self, tokens: int) -> tuple[int, ...]:
+        """The request-slot counts a bucket of `tokens` is captured with, ascending (its full count last)."""
+        return tuple(sorted({min(tokens, r) for r in self.slot_counts}))
 
-    def get(self, tokens: int, sampled: bool, filtered: bool, solo: bool = False) -> PrefillStep:
-        """The step of a bucket and draw kind (its one-request variant with `solo`); built on first use."""
-        solo = solo and self.solo
-        key = (tokens, solo, sampled, filtered)
+    def slots_for(self, tokens: int, n: int) -> int | None:
+        """The slots of the bucket's smallest variant that holds `n` requests (None: none does)."""
+        return next((r for r in self.variants(tokens) if r >= n), None)
+
+    def get(self, tokens: int, sampled: bool, filtered: bool, slots: int | None = None) -> PrefillStep:
+        """The step of a bucket and draw kind on `slots` request slots (default: the full bucket; a count that is
+        not one of its variants takes the next larger one); built on first use."""
+        slots = self.slots_for(tokens, slots or self.max_requests) or self._requests_of(tokens)
+        key = (tokens, slots, sampled, filtered)
         if key not in self.steps:
-            slots = self._requests_of(tokens, solo)
             if (tokens, slots) not in self.buffers:
                 self.buffers[tokens, slots] = PrefillBuffers(tokens, slots, self.max_pages, self.page_size,
                                                              self.device, self.tail_width)
@@ -299,9 +322,9 @@ class PrefillRunner:
         if self.use_graphs:
             collect_garbage(self.device)
         for tokens in reversed(self.buckets):
-            for solo in self.variants():
+            for slots in self.variants(tokens):
                 for sampled, filtered in KINDS:
-                    self.get(tokens, sampled, filtered, solo)
+                    self.get(tokens, sampled, filtered, slots)
         if self.use_graphs:
             self.measure(free_pages=free_pages)
 
@@ -318,8 +341,8 @@ class PrefillRunner:
             per = min(tokens, span)  # NOTE: a bucket wider than one request's table is measured over several
             sizes = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
             long = min(long_context or 16384, span - per)
-            for solo in self.variants():
-                step = self.get(tokens, False, False, solo)
+            for solo in ((False, True) if self.solo else (False,)):
+                step = self.get(tokens, False, False, self._requests_of(tokens, solo))
                 times = []
                 for ctx in (0, long):
                     pages = itertools.count()
@@ -371,9 +394,9 @@ class PrefillRunner:
         filtered = sampled and any(c.sampling[3] != RULE_GREEDY and (c.sampling[2] > 0 or c.sampling[5] < 1)
                                    for c in draws)
         size = self.bucket(total)
-        solo = n == 1 and self.solo
-        if size is not None and n <= self._requests_of(size, solo):
-            step = self.get(size, sampled, filtered, solo)
+        slots = self.slots_for(size, n) if size is not None else None
+        if slots is not None:
+            step = self.get(size, sampled, filtered, slots)
         else:  # NOTE: above the largest bucket, or unpadded: the same step, eager, on buffers of this size
             self.eager_calls += 1
             rows = -(-total // ROW_ALIGN) * ROW_ALIGN if self.pad else total

@@ -96,25 +96,33 @@ def test_padded_bucket_prefill_decodes_target_only_tokens(pair, plain, mode, chu
     the largest bucket's tokens: with a 200-token budget, several 48-token prefills in one step and none eager; with
     chunking off, a whole prompt above 48 tokens prefills eagerly."""
     prompts, params, want = plain
-    engine = make_engine(pair, mode, max_running_requests=4, prefill_buckets=(16, 48), chunked_prefill_tokens=chunk,
+    engine = make_engine(pair, mode, max_running_requests=5, prefill_buckets=(16, 48), chunked_prefill_tokens=chunk,
                          sampling_rule="top1")
     ran = []
-    real = engine.prefiller.get
+    real_run, real_get = engine.prefiller.run, engine.prefiller.get
 
-    def spy(tokens, sampled, filtered, solo=False):
-        step = real(tokens, sampled, filtered, solo)
-        ran.append((solo, step.buf.requests))
+    def spy_run(chunks):
+        ran.append([len(chunks), None])
+        return real_run(chunks)
+
+    def spy_get(tokens, sampled, filtered, slots=None):
+        step = real_get(tokens, sampled, filtered, slots)
+        ran[-1][1] = step.buf.requests
         return step
 
-    engine.prefiller.get = spy
+    engine.prefiller.run, engine.prefiller.get = spy_run, spy_get
     runs = prefill_runs(engine)
     assert_same(engine.generate(prompts, params), want)
     assert engine.prefiller.pad and engine.prefiller.buckets == [16, 48]
     assert (engine.prefiller.eager_calls > 0) == (chunk == 0)  # whole 70+ token prompts run above the buckets
     if chunk > 48:  # the budget alone would have prefilled several prompts together, above 48 tokens, eagerly
         assert max(t for _, t in runs) <= 48 < max(tokens_per_step(runs)) <= chunk, runs
-    # One request's chunk runs the bucket's one-request variant (one slot), several requests the full bucket
-    assert {solo for solo, _ in ran} == {True, False} and all(slots == (1 if solo else 4) for solo, slots in ran)
+    # n requests replay the bucket's smallest variant of at least n slots (1, 4, 5 of 5): one request's chunk one
+    # slot, a group of 2-4 the four-slot variant
+    assert engine.prefiller.slot_counts == (1, 4, 5)
+    replays = [(n, slots) for n, slots in ran if slots is not None]
+    assert all(slots == (1 if n == 1 else 4 if n <= 4 else 5) for n, slots in replays), replays
+    assert {1, 4} <= {slots for _, slots in replays}, replays
     assert engine.prefix_cache_stats["hit_tokens"] > 0
 
 
@@ -302,8 +310,9 @@ def test_bucket_timings_use_distinct_free_pages_and_leave_decoding_exact(pair, p
     before = engine.target_cache.k.clone()
     engine.prefiller.measure(long_context=60, free_pages=free)
     assert set(engine.prefiller.bucket_ms) == set(engine.prefiller.many_ms) == {16, 48}
-    # Both variants of every bucket timed: one request's chunk, on its one slot and on the full bucket's slots
-    assert {(s[0], s[1]) for s in engine.prefiller.steps} == {(16, False), (16, True), (48, False), (48, True)}
+    # One request's chunk timed on every bucket's one slot and on its full slots (10; 16 tokens hold 10), not on
+    # the variants between (4 slots), which no chunk budget reads
+    assert {(s[0], s[1]) for s in engine.prefiller.steps} == {(16, 10), (16, 1), (48, 10), (48, 1)}
     assert tables and all(len(pages) == -(-(start + n) // engine.config.page_size) for start, n, pages in tables)
     assert all(len(set(pages)) == len(pages) and min(pages) >= 1 and max(pages) <= free for _, _, pages in tables)
     assert any(start == 60 for start, _, _ in tables)
