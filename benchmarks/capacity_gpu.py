@@ -100,10 +100,11 @@ def page_layout_times(engine: Engine, ctx: int) -> dict[int, list[float]]:
     engine only: it writes junk into the pool's pages."""
     pre = engine.prefiller
     startup, startup_many = dict(pre.bucket_ms), dict(pre.many_ms)
+    startup_groups = {slots: dict(t) for slots, t in pre.group_ms.items()}
     pre.measure(long_context=ctx)
     scratch = dict(pre.bucket_ms)
     pre.measure(long_context=ctx, free_pages=engine.allocator.num_pages - 1)
-    distinct, pre.bucket_ms, pre.many_ms = pre.bucket_ms, startup, startup_many
+    distinct, pre.bucket_ms, pre.many_ms, pre.group_ms = pre.bucket_ms, startup, startup_many, startup_groups
     return {b: [round(t, 3) for t in (*scratch[b][:2], *distinct[b][:2], *startup[b][:2])] for b in startup}
 
 

@@ -301,9 +301,10 @@ class Engine:
             if self.tensor_parallel:
                 self._agree_chunk_timings()
             log.info("prefill ms per token bucket (one request's chunk, from 0 / after %d keys): %s; the full "
-                     "buckets: %s", next(iter(self.prefiller.bucket_ms.values()))[2],
+                     "buckets: %s; the variants between, from 0: %s", next(iter(self.prefiller.bucket_ms.values()))[2],
                      {b: (round(a, 3), round(c, 3)) for b, (a, c, _) in self.prefiller.bucket_ms.items()},
-                     {b: (round(a, 3), round(c, 3)) for b, (a, c, _) in self.prefiller.many_ms.items()})
+                     {b: (round(a, 3), round(c, 3)) for b, (a, c, _) in self.prefiller.many_ms.items()},
+                     {r: {b: round(a, 3) for b, (a, _, _) in t.items()} for r, t in self.prefiller.group_ms.items()})
             # NOTE: with the prefill times, what sets the chunk budget beside decoding (`prefill_stall_ratio`)
             log.info("decode ms per bucket (the chunk budget's reference): %s",
                      {b: round(ms, 3) for b, ms in self.decode_ms.items()})
@@ -332,11 +333,15 @@ class Engine:
         maxima, the same on every rank, so every rank cuts the same chunks."""
         decode = agreed_values(list(self.decode_ms.values()), self.device)
         self.decode_ms = dict(zip(self.decode_ms, decode))
-        for table in ("bucket_ms", "many_ms"):
-            measured = getattr(self.prefiller, table)
+        pre = self.prefiller
+
+        def agreed(measured: dict) -> dict:
             times = agreed_values([t for short, long, _ in measured.values() for t in (short, long)], self.device)
-            setattr(self.prefiller, table, {tokens: (times[2 * i], times[2 * i + 1], keys)
-                                            for i, (tokens, (_, _, keys)) in enumerate(measured.items())})
+            return {tokens: (times[2 * i], times[2 * i + 1], keys)
+                    for i, (tokens, (_, _, keys)) in enumerate(measured.items())}
+
+        pre.bucket_ms, pre.many_ms = agreed(pre.bucket_ms), agreed(pre.many_ms)
+        pre.group_ms = {slots: agreed(pre.group_ms[slots]) for slots in sorted(pre.group_ms)}
 
     def _time_decode_steps(self, reps: int = 5) -> dict[int, float]:
         """The greedy decode step each bucket serves (`StepRunner.mode_for`), timed as the runner's measured
@@ -606,7 +611,7 @@ class Engine:
         if budget is not None and decoding and self.decode_ms and self.config.prefill_stall_ratio > 0:
             # NOTE: beside decoding, a chunk lasts at most stall_ratio x the decode step (measured at start-up)
             limit = self.config.prefill_stall_ratio * self.stall_reference_ms(decoding)
-            budget = self.prefiller.budget(limit, budget, waiting[0].num_computed, many=len(waiting) > 1)
+            budget = self.prefiller.budget(limit, budget, waiting[0].num_computed, requests=len(waiting))
         batch = []
         for request in waiting:
             remaining = len(request.prefill_token_ids) - request.num_computed

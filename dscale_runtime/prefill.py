@@ -269,7 +269,10 @@ class PrefillRunner:
         keys is interpolated between the two (attention grows with the keys)."""
         self.many_ms: dict[int, tuple[float, float, int]] = {}
         """The same chunk on the full bucket (all its request slots): what a prefill of several requests costs at
-        least. Equal to `bucket_ms` without one-request variants."""
+        most. Equal to `bucket_ms` without one-request variants."""
+        self.group_ms: dict[int, dict[int, tuple[float, float, int]]] = {}
+        """The same chunk on the variants between (slots -> bucket -> times): what a prefill of up to that many
+        requests costs. Where a variant is not measured, the full bucket's times stand for it."""
         self.eager_calls = 0
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0
@@ -335,54 +338,67 @@ class PrefillRunner:
         1..`free_pages` in turn (free ones: the step writes them), as a live request's do; with none given, all on
         the scratch page, where a long context's keys stay in the L2 cache and read faster than live ones.
         Each variant of a bucket is timed (`bucket_ms`: the one-request variant where there is one; `many_ms`:
-        the full bucket)."""
+        the full bucket; `group_ms`: the variants between)."""
         span = self.max_pages * self.page_size
         for tokens in self.buckets:
             per = min(tokens, span)  # NOTE: a bucket wider than one request's table is measured over several
             sizes = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
             long = min(long_context or 16384, span - per)
-            for solo in ((False, True) if self.solo else (False,)):
-                step = self.get(tokens, False, False, self._requests_of(tokens, solo))
+            full = self._requests_of(tokens)
+            for slots in self.variants(tokens):
+                step = self.get(tokens, False, False, slots)
                 times = []
                 for ctx in (0, long):
                     pages = itertools.count()
                     chunks = [PrefillChunk([0] * k, ctx, [1 + next(pages) % free_pages if free_pages else
                                                           SCRATCH_PAGE for _ in range(-(-(ctx + k) // self.page_size))])
                               for k in sizes]
-                    step.buf.fill(chunks[: self._requests_of(tokens, solo)], self.state.dummy)
+                    step.buf.fill(chunks[:slots], self.state.dummy)
                     step()
                     times.append(float(np.median(cuda_times(step, reps))))
-                if solo or not self.solo:
-                    self.bucket_ms[tokens] = (times[0], times[1], max(1, long))
-                if not solo:
-                    self.many_ms[tokens] = (times[0], times[1], max(1, long))
+                entry = (times[0], times[1], max(1, long))
+                if slots == 1 or not self.solo:
+                    self.bucket_ms[tokens] = entry
+                if slots == full:
+                    self.many_ms[tokens] = entry
+                elif slots > 1:
+                    self.group_ms.setdefault(slots, {})[tokens] = entry
 
-    def ms_at(self, tokens: int, ctx: int, many: bool = False) -> float:
-        """Measured time of a bucket's prefill after `ctx` keys (linear in the keys between the two measures); with
-        `many`, of the full bucket (`many_ms`, where measured)."""
-        short, long, c = self._table(many)[tokens]
+    def _times(self, tokens: int, requests: int) -> tuple[float, float, int]:
+        """The measured times of the variant a prefill of `requests` requests replays in the bucket: one request's
+        chunk on it (the one-request times where the other tables are not measured)."""
+        if requests <= 1 or not self.many_ms:
+            return self.bucket_ms[tokens]
+        slots = self.slots_for(tokens, requests)
+        return self.group_ms.get(slots, {}).get(tokens) or self.many_ms[tokens]
+
+    @staticmethod
+    def _requests(many: bool, requests: int | None, cap: int) -> int:
+        return requests if requests is not None else cap if many else 1
+
+    def ms_at(self, tokens: int, ctx: int, many: bool = False, requests: int | None = None) -> float:
+        """Measured time of a bucket's prefill after `ctx` keys (linear in the keys between the two measures); of
+        the variant a prefill of `requests` requests replays (with `many` and no count: the full bucket)."""
+        short, long, c = self._times(tokens, self._requests(many, requests, self.max_requests))
         return short + max(0.0, long - short) * ctx / c
 
-    def _table(self, many: bool) -> dict[int, tuple[float, float, int]]:
-        return self.many_ms if many and self.many_ms else self.bucket_ms
-
-    def floor_ms(self, ctx: int, many: bool = False) -> float:
+    def floor_ms(self, ctx: int, many: bool = False, requests: int | None = None) -> float:
         """The least a chunk after `ctx` keys may last beside decoding: FLOOR_FACTOR x the cheapest bucket's time."""
-        return FLOOR_FACTOR * min(self.ms_at(b, ctx, many) for b in self._table(many))
+        return FLOOR_FACTOR * min(self.ms_at(b, ctx, many, requests) for b in self.bucket_ms)
 
-    def budget(self, limit_ms: float, cap: int, ctx: int = 0, many: bool = False) -> int:
+    def budget(self, limit_ms: float, cap: int, ctx: int = 0, many: bool = False, requests: int | None = None) -> int:
         """The most tokens one prefill after `ctx` keys may take to last at most `limit_ms` (by `bucket_ms`):
         the largest bucket within it, at most `cap`. Where even the smallest bucket takes longer (a large model's
         prefill reads every weight whatever its tokens: at Qwen3-8B shape a 16-token chunk costs about a
         target-only decode step), the limit becomes FLOOR_FACTOR x the cheapest bucket's time: every chunk pays
-        that floor, so it takes as many tokens as cost about the same. `many`: several requests may share the
-        prefill, so the full buckets' times bound it (one request's chunk runs the one-request variant)."""
-        table = self._table(many)
-        if not table:
+        that floor, so it takes as many tokens as cost about the same. `requests`: how many requests may share the
+        prefill, so each bucket's variant for that many bounds it (`many` without a count: the full buckets; one
+        request's chunk runs the one-request variant)."""
+        if not self.bucket_ms:
             return cap
-        limit = max(limit_ms, self.floor_ms(ctx, many))
-        fits = [b for b in table if self.ms_at(b, ctx, many) <= limit]
-        return max(1, min(max(fits, default=min(table)), cap))
+        limit = max(limit_ms, self.floor_ms(ctx, many, requests))
+        fits = [b for b in self.bucket_ms if self.ms_at(b, ctx, many, requests) <= limit]
+        return max(1, min(max(fits, default=min(self.bucket_ms)), cap))
 
     def run(self, chunks: list[PrefillChunk]) -> torch.Tensor:
         """Prefill the chunks (at most `max_requests`); returns the first-token draws [n] on the device (rows of

@@ -130,7 +130,7 @@ def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  
     """With the start-up times a GPU engine measures (here given), a step's chunk beside decoding is the largest
     bucket whose prefill lasts at most prefill_stall_ratio x the decode step; alone it takes the whole budget."""
     prompts, params, want = plain
-    engine = make_engine(pair, "dflash", max_running_requests=4, prefill_buckets=(16, 32, 64),
+    engine = make_engine(pair, "dflash", max_running_requests=5, prefill_buckets=(16, 32, 64),
                          chunked_prefill_tokens=64, prefill_stall_ratio=1.0, sampling_rule="top1",
                          prefix_caching=False)  # NOTE: each run below prefills every prompt whole
     engine.prefiller.bucket_ms = {16: (0.2, 0.3, 100), 32: (0.5, 0.9, 100), 64: (1.5, 2.0, 100)}
@@ -139,6 +139,15 @@ def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  
     # Several requests waiting: the full buckets' times bound the chunk (unmeasured: one request's times)
     engine.prefiller.many_ms = {16: (0.35, 0.4, 100), 32: (0.7, 1.0, 100), 64: (1.9, 2.4, 100)}
     assert engine.prefiller.budget(0.6, 64, ctx=0, many=True) == 16 and engine.prefiller.budget(0.6, 64, ctx=0) == 32
+    assert engine.prefiller.budget(0.6, 64, requests=5) == 16 and engine.prefiller.budget(0.6, 64, requests=1) == 32
+    # ... each bucket's variant for that many requests where measured (slots 1, 4, 5: two to four requests replay
+    # the 4-slot variant), else the full bucket's times
+    engine.prefiller.group_ms = {4: {16: (0.25, 0.3, 100), 32: (0.55, 0.8, 100), 64: (1.6, 2.1, 100)}}
+    assert [engine.prefiller.budget(0.6, 64, requests=n) for n in (1, 2, 3, 4, 5)] == [32, 32, 32, 32, 16]
+    assert engine.prefiller.budget(0.6, 64, ctx=50, requests=3) == 16  # 0.55 + 0.25 x 50 / 100 > 0.6
+    del engine.prefiller.group_ms[4][32]
+    assert engine.prefiller.budget(0.6, 64, requests=3) == 16
+    engine.prefiller.group_ms = {}
     engine.prefiller.many_ms = {}
     assert engine.prefiller.budget(0.6, 64, ctx=0, many=True) == 32
     # Below the cheapest chunk's time the bound is 1.5 x that time (weight-bound prefill: tokens come cheap)
@@ -163,6 +172,13 @@ def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  
         return real(requests)
 
     engine._prefill = spy
+    asked, real_budget = [], engine.prefiller.budget
+
+    def budget_spy(*args, **kwargs):  # the engine names how many requests wait to prefill
+        asked.append((kwargs.get("requests"), sum(1 for r in engine.scheduler.running if r.prefilling)))
+        return real_budget(*args, **kwargs)
+
+    engine.prefiller.budget = budget_spy
     engine._time_cycle = lambda: None  # NOTE: the CPU's own cycles (tens of ms) would lift the bound
     for cycle_ms, n in ((None, len(prompts)), (3.0, 5)):  # a host-bound loop (3 ms cycles): 64-token chunks
         chunks.clear()
@@ -171,6 +187,7 @@ def test_chunk_budget_beside_decoding_follows_the_measured_times(pair, plain):  
         beside = [tokens for decoding, tokens in chunks if decoding]
         alone = [tokens for decoding, tokens in chunks if not decoding]
         assert beside and max(alone) > 32 and (max(beside) <= 32) == (cycle_ms is None), (cycle_ms, beside)
+    assert asked and all(given == waiting for given, waiting in asked) and max(given for given, _ in asked) > 1, asked
 
 
 def test_the_chunk_budgets_decode_times_are_the_served_steps(pair, monkeypatch):  # noqa: F811
@@ -310,9 +327,9 @@ def test_bucket_timings_use_distinct_free_pages_and_leave_decoding_exact(pair, p
     before = engine.target_cache.k.clone()
     engine.prefiller.measure(long_context=60, free_pages=free)
     assert set(engine.prefiller.bucket_ms) == set(engine.prefiller.many_ms) == {16, 48}
-    # One request's chunk timed on every bucket's one slot and on its full slots (10; 16 tokens hold 10), not on
-    # the variants between (4 slots), which no chunk budget reads
-    assert {(s[0], s[1]) for s in engine.prefiller.steps} == {(16, 10), (16, 1), (48, 10), (48, 1)}
+    # One request's chunk timed on every variant of every bucket: one slot, four, the full ten
+    assert {(s[0], s[1]) for s in engine.prefiller.steps} == {(b, r) for b in (16, 48) for r in (1, 4, 10)}
+    assert set(engine.prefiller.group_ms) == {4} and set(engine.prefiller.group_ms[4]) == {16, 48}
     assert tables and all(len(pages) == -(-(start + n) // engine.config.page_size) for start, n, pages in tables)
     assert all(len(set(pages)) == len(pages) and min(pages) >= 1 and max(pages) <= free for _, _, pages in tables)
     assert any(start == 60 for start, _, _ in tables)

@@ -152,11 +152,12 @@ def agreed_measurements(rank: int) -> dict:
     engine = SimpleNamespace(device=torch.device("cpu"), decode_ms={8: 0.5 + rank, 16: 0.7 - 0.1 * rank},
                              prefiller=SimpleNamespace(bucket_ms={16: (1.0 - 0.5 * rank, 2.0, 4096),
                                                                   32: (1.5, 2.5 + rank, 4000)},
-                                                       many_ms={16: (3.0 + rank, 4.0, 4096)}))
+                                                       many_ms={16: (3.0 + rank, 4.0, 4096)},
+                                                       group_ms={4: {16: (2.0, 3.0 - rank, 4096)}}))
     Engine._agree_chunk_timings(engine)
     return {"max": agreed_values(own, torch.device("cpu")), "min": agreed_values(own, torch.device("cpu"), "min"),
             "decode_ms": engine.decode_ms, "bucket_ms": engine.prefiller.bucket_ms,
-            "many_ms": engine.prefiller.many_ms}
+            "many_ms": engine.prefiller.many_ms, "group_ms": engine.prefiller.group_ms}
 
 
 def rank_job(tp: TensorParallel, tiny) -> dict:
@@ -266,6 +267,7 @@ def test_rank_measurements_are_agreed_across_ranks(tp2):
     assert a["decode_ms"] == {8: 1.5, 16: 0.7}
     assert a["bucket_ms"] == {16: (1.0, 2.0, 4096), 32: (1.5, 3.5, 4000)}
     assert a["many_ms"] == {16: (4.0, 4.0, 4096)}  # the full buckets' times (several requests' chunks) too
+    assert a["group_ms"] == {4: {16: (2.0, 3.0, 4096)}}  # and the variants' between
 
 
 def test_chunk_reference_ignores_the_rank_local_cycle_under_tensor_parallelism():
