@@ -235,19 +235,24 @@ def _row_programs(logits: torch.Tensor, backend: str, sampled: bool = False) -> 
             and logits.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
-def greedy_tokens(logits: torch.Tensor, backend: str) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, backend: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's argmax, its first maximal entry, of logits [..., V] -> [...] int64 (torch.argmax's tokens). On the
     Triton path, contiguous rows of a vocabulary of at most ROW_PROGRAM_VOCAB tokens take one program each
     (`row_tokens_triton`, unsampled): torch's argmax reduction took 15 us over the demo drafter's 480 x 4,096 draft
-    logits on the H200, the row kernel 2.6 us over the target's 512 verification rows (2026-12-03 profiles)."""
+    logits on the H200, the row kernel 2.6 us over the target's 512 verification rows (2026-12-03 profiles).
+    `out`: an int64 [N, P] view (unit last stride) of logits [N, P, V]'s rows that takes the tokens, written by the
+    row kernel itself where it runs (a block's draft slots: no copy launch), and returned."""
     backend = _resolved(backend, logits)
     if logits.dim() >= 2 and logits.is_contiguous():
         rows = logits.view(-1, logits.shape[-1])
         if _row_programs(rows, backend):
             from dscale_runtime.kernels.triton_sampling import row_tokens_triton
 
-            return row_tokens_triton(rows, False, False).view(logits.shape[:-1])
-    return logits.argmax(dim=-1)
+            if out is not None and out.dim() == 2 and out.stride(-1) == 1 and out.shape == logits.shape[:-1]:
+                return row_tokens_triton(rows, False, False, out=out)
+            tokens = row_tokens_triton(rows, False, False).view(logits.shape[:-1])
+            return tokens if out is None else out.copy_(tokens)
+    return logits.argmax(dim=-1) if out is None else out.copy_(logits.argmax(dim=-1))
 
 
 def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Tensor, filtered: bool,

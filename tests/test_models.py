@@ -312,10 +312,10 @@ def _inject(drafter, cache, tables, feats, starts, counts):
     drafter.inject_context(feats, positions, slots, cache.layers)
 
 
-def _draft(drafter, cache, tables, ctx_lens, block):
+def _draft(drafter, cache, tables, ctx_lens, block, drafts_of: int = 0):
     W = drafter.config.block_size
     meta = build_metadata([W] * len(ctx_lens), ctx_lens, tables, PAGE, "cpu", causal=False)
-    return drafter(block, meta, cache.layers)
+    return drafter(block, meta, cache.layers, drafts_of=drafts_of)
 
 
 @torch.no_grad()
@@ -346,6 +346,9 @@ def test_drafter_matches_design_reference(drafter_setup, fused):
     for i in range(n):
         ref = _reference_drafter(weights, dcfg, feats[i], block[i * W:(i + 1) * W])
         assert _maxdiff(out[i * W:(i + 1) * W], ref) <= TOL, f"request {i}"
+    # the draft slots alone (what `propose` reads: the anchors' rows left out of the final norm), the same values
+    drafts = _draft(drafter, cache, tables, ctx_lens, block, drafts_of=W)
+    assert drafts.is_contiguous() and torch.equal(drafts, out.view(n, W, d)[:, 1:].reshape(-1, d))
     # the reference is sensitive to the context: a changed feature row changes the output
     feats2 = feats[1].clone()
     feats2[0] += 1.0
@@ -534,6 +537,8 @@ def test_drafter_built_with_triton_matches_design_reference(drafter_setup, inter
     assert _maxdiff(out, _reference_drafter(weights, dcfg, feats, block)) <= TOL
     assert len(kernel_calls["paged_attention_triton"]) == layers
     assert kernel_calls["rms_norm_triton"] and kernel_calls["add_rms_norm_triton"]
+    # the draft slots alone through the skipping norm: the same rows, bit for bit, contiguous
+    assert torch.equal(_draft(drafter, cache, [[3, 1, 4, 2]], [6], block, drafts_of=W), out[1:])
 
 
 @pytest.mark.gpu

@@ -267,14 +267,20 @@ def test_greedy_tokens_are_torch_argmax(kernel_device, monkeypatch):
         assert got.dtype == torch.long and got.shape == shape[:-1]
         assert torch.equal(got, logits.argmax(-1)), dtype
         assert got.view(-1)[0] == 7 and got.view(-1)[2] == 0
-    assert len(launched) == 3
+        if len(shape) == 3:  # into a block's draft slots [N, 1 + P] (anchors kept) by the same launch
+            block = torch.full((shape[0], shape[1] + 1), -5, dtype=torch.long, device=device)
+            assert greedy_tokens(logits, "triton", out=block[:, 1:]).data_ptr() == block[:, 1:].data_ptr()
+            assert torch.equal(block[:, 1:], got) and (block[:, 0] == -5).all()
+    assert len(launched) == 5
     strided = (torch.randn(6, 2 * 1000, generator=gen)).to(device)[:, ::2]
     big = torch.randn(3, 9000, generator=gen).to(device)
     for logits in (strided, big):  # torch's argmax: no launch of the row kernel
         assert torch.equal(greedy_tokens(logits, "triton"), logits.argmax(-1))
-    assert len(launched) == 3
+        into = torch.zeros(logits.shape[0], 2, dtype=torch.long, device=device)[:, 1]
+        assert torch.equal(greedy_tokens(logits, "triton", out=into), logits.argmax(-1))  # a copy into `out`
+    assert len(launched) == 5
     ref = torch.randn(4, 100, generator=gen)
-    assert torch.equal(greedy_tokens(ref, "ref"), ref.argmax(-1)) and len(launched) == 3
+    assert torch.equal(greedy_tokens(ref, "ref"), ref.argmax(-1)) and len(launched) == 5
 
 
 @pytest.mark.gpu  # and on CPU machines through Triton's interpreter
@@ -412,7 +418,7 @@ print("accept sums", build(ts._residual_sums_kernel, consts, {**accept, "sums_ou
 rows = {"logits": "*bf16", "greedy": "*i1", "temperature": "*fp32", "top_p": "*fp32", "stat_shift": "*fp32",
         "stat_inv_t": "*fp32", "stat_floor": "*fp32", "stat_total": "*fp64",
         **{n: "*i64" for n in ("index", "top_k", "seed_lo", "seed_hi", "positions", "out")}}
-consts = dict(SAMPLED=True, FILTERED=True, INDEXED=False, PER_REQ=15, STATS=True, CHUNK=1024, NUM_CHUNKS=4,
+consts = dict(SAMPLED=True, FILTERED=True, INDEXED=False, PER_REQ=15, STATS=True, OUT_MAP=True, CHUNK=1024, NUM_CHUNKS=4,
               BLOCK_C=4, VBLOCK=4096, KEY_ALL=KEY_ALL, KEY_BITS=16, SCALE=float(2**MASS_BITS), ACCURATE=True, KEY16=True,
               DTYPE=tl.bfloat16)
 print("rows", build(ts._row_tokens_kernel, consts, rows, 4))

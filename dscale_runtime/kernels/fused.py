@@ -104,16 +104,23 @@ def add_rms_norm(
     backend: str = "auto",
     # (sum, normed) buffers [T, d] with unit feature stride, either None (a new tensor); the sum may be x
     out: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    skip: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # x + delta [T, d], rms_norm(x + delta) [T, d]
-    """The residual add and the following RMSNorm (`add_rms_norm_ref`'s contract) in one pass."""
+    """The residual add and the following RMSNorm (`add_rms_norm_ref`'s contract) in one pass. `skip` > 1 (a
+    DFlash block's width): only the rows that are not first in their group of `skip` rows, normed -> [T - T / skip,
+    d] contiguous (what the LM head reads: the drafts, not the anchors); the sum holds those rows only."""
     if fused_backend(x, backend, delta, weight) == "ref":
         total_out, normed_out = out if out is not None else (None, None)
+        assert not skip or (normed_out is None and x.shape[0] % skip == 0), (skip, x.shape)
         total = x + delta if total_out is None else torch.add(x, delta, out=total_out)
+        if skip:
+            dim = x.shape[-1]
+            return total, rms_norm_ref(total.view(-1, skip, dim)[:, 1:], weight, eps).reshape(-1, dim)
         normed = rms_norm_ref(total, weight, eps)
         return total, (normed if normed_out is None else normed_out.copy_(normed))
     from dscale_runtime.kernels.triton_fused import add_rms_norm_triton
 
-    return add_rms_norm_triton(x, delta, weight, eps, out=out)
+    return add_rms_norm_triton(x, delta, weight, eps, out=out, skip=skip)
 
 
 def qk_norm_rope(

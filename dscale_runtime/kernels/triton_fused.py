@@ -60,21 +60,26 @@ def _inv_rms(sum_sq, n: tl.constexpr, eps):
 @triton.jit
 def _rms_norm_kernel(
     X, Delta, W, Sum, Out,  # x, delta, sum, out [T, d] (delta and sum only with HAS_DELTA); weight [d]
-    num_rows, stride_x, stride_delta, stride_sum, stride_out, eps,
+    num_rows, stride_x, stride_delta, stride_sum, stride_out, eps, skip,
     DIM: tl.constexpr,  # d
     BLOCK_D: tl.constexpr,  # d rounded up to a power of two
     ROWS: tl.constexpr,  # rows per program
     HAS_DELTA: tl.constexpr,  # add_rms_norm: normalise x + delta, and store that sum
+    SKIP: tl.constexpr,  # out row r reads (and sums into) row r + r // (skip - 1) + 1 of x, delta and sum: every
+    #                      group of `skip` input rows without its first (a DFlash block's drafts without the anchor)
 ):
     DTYPE: tl.constexpr = Out.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    src = rows
+    if SKIP:
+        src = rows + rows // (skip - 1) + 1
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < num_rows)[:, None] & (cols < DIM)[None, :]  # [ROWS, BLOCK_D]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + src[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        delta = tl.load(Delta + rows[:, None] * stride_delta + cols[None, :], mask=mask, other=0.0)
+        delta = tl.load(Delta + src[:, None] * stride_delta + cols[None, :], mask=mask, other=0.0)
         x = _round(x + delta.to(tl.float32), DTYPE)
-        tl.store(Sum + rows[:, None] * stride_sum + cols[None, :], x.to(DTYPE), mask=mask)
+        tl.store(Sum + src[:, None] * stride_sum + cols[None, :], x.to(DTYPE), mask=mask)
     inv = _inv_rms(tl.sum(x * x, 1), DIM, eps)  # [ROWS]
     w = tl.load(W + cols, mask=cols < DIM, other=0.0).to(tl.float32)
     out = _round(w[None, :] * _round(x * inv[:, None], DTYPE), DTYPE)
@@ -269,24 +274,30 @@ def _out(like: torch.Tensor, out: torch.Tensor | None, shape) -> torch.Tensor:
     return out
 
 
-def _norm_launch(x, delta, weight, eps, out, sum_out):
+def _norm_launch(x, delta, weight, eps, out, sum_out, skip: int = 0):
     _check(x, weight, *(t for t in (delta, out, sum_out) if t is not None))
     dim = x.shape[-1]
     assert weight.shape == (dim,) and weight.is_contiguous(), weight.shape
-    out = _out(x, out, x.shape)
-    rows, out2 = _rows(x), out.view(-1, dim)
+    rows = _rows(x)
+    num = rows.shape[0]
+    if skip:  # NOTE: the output holds every group of `skip` rows but its first (`add_rms_norm_triton`)
+        assert skip > 1 and num % skip == 0 and out is None, (skip, num)
+        num -= num // skip
+    out = _out(x, out, (num, dim) if skip else x.shape)
+    out2 = out.view(-1, dim)
     if delta is not None:
         assert delta.shape == x.shape, (delta.shape, x.shape)
         sum_out = _out(x, sum_out, x.shape)
         delta2, sum2 = _rows(delta), sum_out.view(-1, dim)
     else:
         delta2 = sum2 = rows  # unused (HAS_DELTA=False)
-    if rows.shape[0] == 0:
+    if num == 0:
         return out, sum_out
     consts = rms_norm_config(dim)
-    grid = (triton.cdiv(rows.shape[0], consts["ROWS"]),)
-    _rms_norm_kernel[grid](rows, delta2, weight, sum2, out2, rows.shape[0], rows.stride(0), delta2.stride(0),
-                           sum2.stride(0), out2.stride(0), eps, HAS_DELTA=delta is not None, **consts, **_LAUNCH)
+    grid = (triton.cdiv(num, consts["ROWS"]),)
+    _rms_norm_kernel[grid](rows, delta2, weight, sum2, out2, num, rows.stride(0), delta2.stride(0), sum2.stride(0),
+                           out2.stride(0), eps, max(skip, 2), HAS_DELTA=delta is not None, SKIP=bool(skip),
+                           **consts, **_LAUNCH)
     return out, sum_out
 
 
@@ -307,10 +318,13 @@ def add_rms_norm_triton(
     eps: float,
     # (sum [T, d], normed [T, d]), either None (a new tensor); the sum may be x, or strided rows (unit feature stride)
     out: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    skip: int = 0,  # > 1: normalise only rows not first in their group of `skip` (normed [T - T / skip, d])
 ) -> tuple[torch.Tensor, torch.Tensor]:  # x + delta [T, d], rms_norm(x + delta) [T, d]
-    """The residual add and the next RMSNorm in one pass: the sum is rounded to the dtype, then normalised."""
+    """The residual add and the next RMSNorm in one pass: the sum is rounded to the dtype, then normalised. With
+    `skip` the rows first in each group of `skip` are neither summed nor normalised, and the normed rows of the
+    others come out contiguous (a DFlash block's drafts, its anchors left out: the LM head's rows)."""
     sum_out, norm_out = out if out is not None else (None, None)
-    norm_out, sum_out = _norm_launch(x, delta, weight, eps, norm_out, sum_out)
+    norm_out, sum_out = _norm_launch(x, delta, weight, eps, norm_out, sum_out, skip)
     return sum_out, norm_out
 
 
@@ -466,7 +480,7 @@ _KERNELS = {"rms_norm": _rms_norm_kernel, "qk_norm_rope": _qk_norm_rope_kernel,
 
 def compile_offline(kernel: str, dtype: torch.dtype, arch: int = 90, **sizes):
     """Compile one kernel for an NVIDIA target without a GPU (Triton's bundled ptxas), with the wrappers' launch
-    options: a CI check of the compiled path. `kernel` and its sizes: 'rms_norm' (dim, add: bool),
+    options: a CI check of the compiled path. `kernel` and its sizes: 'rms_norm' (dim, add: bool, skip: bool),
     'qk_norm_rope' and 'qkv_norm_rope_store' (num_heads: q heads + k heads, head_dim), 'silu_mul' (inter).
     Needs triton imported without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
@@ -474,7 +488,8 @@ def compile_offline(kernel: str, dtype: torch.dtype, arch: int = 90, **sizes):
 
     assert not interpreted(), "compile_offline needs triton imported without TRITON_INTERPRET"
     if kernel == "rms_norm":
-        consts = {**rms_norm_config(sizes["dim"]), "HAS_DELTA": bool(sizes.get("add", False))}
+        consts = {**rms_norm_config(sizes["dim"]), "HAS_DELTA": bool(sizes.get("add", False)),
+                  "SKIP": bool(sizes.get("skip", False))}
     elif kernel in ("qk_norm_rope", "qkv_norm_rope_store"):
         consts = qk_norm_rope_config(sizes["num_heads"], sizes["head_dim"])
     else:

@@ -131,8 +131,9 @@ def _sample_kernel(values, shift, inv_t, floor, chunk_sums, u, out, vocab, strid
 @triton.jit
 def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temperature, top_k, top_p, seed_lo,
                        seed_hi, positions, offset, out, stat_shift, stat_inv_t, stat_floor, stat_total, key, second_key,
+                       out_group, out_stride,
                        SAMPLED: tl.constexpr, FILTERED: tl.constexpr, INDEXED: tl.constexpr, PER_REQ: tl.constexpr,
-                       STATS: tl.constexpr,
+                       STATS: tl.constexpr, OUT_MAP: tl.constexpr,
                        CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, VBLOCK: tl.constexpr,
                        KEY_ALL: tl.constexpr, KEY_BITS: tl.constexpr, SCALE: tl.constexpr, ACCURATE: tl.constexpr,
                        KEY16: tl.constexpr, DTYPE: tl.constexpr):
@@ -142,7 +143,8 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
     `_keyed_uniforms_kernel`, the two-level search as `_sample_kernel`). PER_REQ rows per request: row r is slot
     r % PER_REQ of request r // PER_REQ and draws at positions[request] + offset + r % PER_REQ. With STATS the row's
     policy is stored beside its token (shift, inverse temperature, floor, total weight; greedy rows: their max, 1,
-    -inf and 1, finite placeholders) so that no other pass over the row is needed to weigh its entries."""
+    -inf and 1, finite placeholders) so that no other pass over the row is needed to weigh its entries. OUT_MAP:
+    row r's token goes to out[r // out_group, r % out_group] of rows `out_stride` apart (a block's draft slots)."""
     row = tl.program_id(0)
     base = logits + row.to(tl.int64) * stride_row
     offs = tl.arange(0, VBLOCK)
@@ -190,7 +192,10 @@ def _row_tokens_kernel(logits, stride_row, vocab, index, max_index, greedy, temp
             tl.store(stat_inv_t + row, it)
             tl.store(stat_floor + row, floor)
             tl.store(stat_total + row, total)
-    tl.store(out + row, token)
+    if OUT_MAP:
+        tl.store(out + (row // out_group).to(tl.int64) * out_stride + row % out_group, token)
+    else:
+        tl.store(out + row, token)
 
 
 @triton.jit
@@ -461,7 +466,8 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
                       top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
                       seed_lo: torch.Tensor | None = None, seed_hi: torch.Tensor | None = None,
                       positions: torch.Tensor | None = None, offset: int = 0, key: int = 0, second_key: int = 0,
-                      chunk: int = 1024, per_request: int = 1, stats: bool = False, wide: bool | None = None):
+                      chunk: int = 1024, per_request: int = 1, stats: bool = False, wide: bool | None = None,
+                      out: torch.Tensor | None = None):
     """The target's token of every row of logits [R, V] (contiguous rows) in one launch: the argmax, or with `sampled`
     the keyed inverse-CDF draw of `sampling.target_tokens`'s unfused path for rows whose request is not greedy. Row r
     reads its request's parameters (greedy / temperature / top_k / top_p / seeds [B]) at min(index[r], max_index)
@@ -473,7 +479,10 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
     `wide` (default: V > ROW_PROGRAM_VOCAB; sampled only): rows too long for one program (Qwen3's 151,936 tokens)
     take four launches instead of the unfused path's ~20: the chunks' maxima, each row's shift / argmax / 1 / T, the
     chunk sums (`chunk_exp_sums_triton`; the floors between, for `filtered`), then the draw or argmax with the total;
-    the same arithmetic, so the same tokens."""
+    the same arithmetic, so the same tokens.
+
+    `out` (one-program rows only): an int64 [G, P] view with unit last stride, G x P = R, that takes the tokens
+    (row r at [r // P, r % P]; a block's draft slots `block[:, 1:]`) instead of a new [R] tensor."""
     rows, vocab = logits.shape
     wide = vocab > ROW_PROGRAM_VOCAB if wide is None else wide
     assert (wide or vocab <= ROW_PROGRAM_VOCAB) and logits.stride(-1) == 1 and chunk & (chunk - 1) == 0
@@ -482,11 +491,14 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
                          "(KernelChoice.fused='ref')")
     require_interpreter_on_cpu(logits, "Triton row tokens", "fused")
     assert not (stats and not sampled) and (per_request == 1 or index is None) and (sampled or not wide)
+    if out is not None:
+        assert not wide and out.dim() == 2 and out.numel() == rows and out.stride(-1) == 1 and out.dtype == torch.long
     if wide:
         out, policy = _wide_row_tokens(logits, filtered, index, max_index, greedy, temperature, top_k, top_p, seed_lo,
                                        seed_hi, positions, offset, key, second_key, chunk, per_request)
         return (out, policy) if stats else out
-    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    mapped = out is not None
+    out = out if mapped else torch.empty(rows, dtype=torch.long, device=logits.device)
     policy = None
     if stats:
         f32 = torch.empty(3, rows, dtype=torch.float32, device=logits.device)
@@ -503,8 +515,9 @@ def row_tokens_triton(logits: torch.Tensor, sampled: bool, filtered: bool, index
     key16 = logits.dtype in _DTYPES16
     # NOTE: 4 warps as the unfused kernels: the chunk sums and scans then add in their order (same draws)
     _row_tokens_kernel[(rows,)](logits, logits.stride(0), vocab, *params, out, *(policy or (out,) * 4), key, second_key,
+                                out.shape[1] if mapped else 1, out.stride(0) if mapped else 0,
                                 SAMPLED=sampled, FILTERED=sampled and filtered, INDEXED=index is not None,
-                                PER_REQ=per_request, STATS=stats, CHUNK=chunk, NUM_CHUNKS=num_chunks,
+                                PER_REQ=per_request, STATS=stats, OUT_MAP=mapped, CHUNK=chunk, NUM_CHUNKS=num_chunks,
                                 BLOCK_C=triton.next_power_of_2(num_chunks),
                                 VBLOCK=max(triton.next_power_of_2(vocab), chunk), KEY_ALL=KEY_ALL,
                                 KEY_BITS=16 if key16 else KEY_BITS, SCALE=float(2**MASS_BITS),

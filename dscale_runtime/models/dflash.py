@@ -104,13 +104,16 @@ class DFlashDraftModel(nn.Module):
         block_embeds: torch.Tensor,  # [N * W, d], target embedding of anchor + mask tokens
         meta: AttentionMetadata,  # causal=False, kv_lens = context + W
         caches: list[KVLayerCache],
+        drafts_of: int = 0,  # W > 1: only the draft slots' states (1..W-1 of each block) -> [N * (W-1), d]
     ) -> torch.Tensor:  # [N * W, d], final-normed hidden states of every block slot
         x, delta = block_embeds.to(self.dtype), None
         if self.config.input_embedding_scale != 1.0:
             x = x * self.config.input_embedding_scale
         for layer, cache in zip(self.layers, caches):
             x, delta = layer(x, meta, cache, delta)
-        return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps, backend=self.kernels.fused)[1]
+        # NOTE: `drafts_of`: the final norm writes the draft rows contiguous, the LM head's input without a copy
+        return fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps, backend=self.kernels.fused,
+                                  skip=drafts_of)[1]
 
     def head_weight(self, lm_head: torch.Tensor) -> torch.Tensor:
         """The target's LM head [V, d] (this rank's rows under tensor parallelism) in the drafter's dtype: the
@@ -152,9 +155,9 @@ class DFlashDraftModel(nn.Module):
         in the drafter's dtype; hidden states [N, W-1, d] at the draft positions); writes the greedy drafts
         into `block[:, 1:]` (the argmax is the same either way: the upcast is exact)."""
         n, w = block.shape
-        hidden = self(target.embed(block.view(-1)), meta, caches).view(n, w, -1)[:, 1:]
+        hidden = self(target.embed(block.view(-1)), meta, caches, drafts_of=w).view(n, w - 1, -1)
         logits = self.scale_logits(self.head_logits(hidden, target))
         if float_logits:
             logits = logits.float()
-        block[:, 1:] = greedy_tokens(logits, self.kernels.fused)  # NOTE: one launch at small vocabularies
+        greedy_tokens(logits, self.kernels.fused, out=block[:, 1:])  # NOTE: written into the block by one launch
         return logits, hidden

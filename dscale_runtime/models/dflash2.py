@@ -264,7 +264,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         """One parallel forward over N blocks and the selector's walk -> (scores [N, W-1, K] fp32, hidden states
         [N, W-1, d], the sparse draft policy q over the candidates, rows n * (W-1) + j - 1, when `draw`)."""
         n, w = block.shape
-        hidden = self(target.embed(block.view(-1)), meta, caches).view(n, w, -1)[:, 1:]
+        hidden = self(target.embed(block.view(-1)), meta, caches, drafts_of=w).view(n, w - 1, -1)
         logits = self.head_logits(hidden, target)  # [N, W-1, V]
         unary, candidates = candidate_topk(logits.view(n * (w - 1), -1), self.candidate_selector.top_k,
                                            self.candidate_chunks, self.kernels.fused)
