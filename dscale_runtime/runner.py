@@ -333,9 +333,9 @@ class BucketStep:
         logits, hidden = r.drafter.propose(block, r.target, meta, r.drafter_caches, float_logits=False)
         q = None
         if kind.draft_sampling:
-            drafts, q = draft_draws(logits.reshape(b, w - 1, -1), buf.sampling_rows(r.sampling_backend), buf.ctx,
-                                    buf.rule == RULE_SAMPLED, kind.filtered, block[:, 1:])
-            block[:, 1:] = drafts
+            # NOTE: the drafts land in the block's slots (one launch at small vocabularies: no copy)
+            q = draft_draws(logits.reshape(b, w - 1, -1), buf.sampling_rows(r.sampling_backend), buf.ctx,
+                            buf.rule == RULE_SAMPLED, kind.filtered, block[:, 1:], out=block[:, 1:])[1]
         return block, logits, hidden, q
 
     def decide(self, block: torch.Tensor, logits: torch.Tensor | None, hidden: torch.Tensor | None) -> Decision:

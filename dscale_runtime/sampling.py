@@ -296,25 +296,32 @@ def target_tokens(logits: torch.Tensor, rows: SamplingRows, positions: torch.Ten
 
 
 def draft_draws(logits: torch.Tensor, rows: SamplingRows, ctx: torch.Tensor, drawn: torch.Tensor, filtered: bool,
-                argmax: torch.Tensor) -> tuple[torch.Tensor, Policy]:
+                argmax: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Policy]:
     """The drafts of the sampled-drafts rule: logits [B, S, V] of S draft slots per request (slot j at index
     ctx + j + 1), each drawn from the drafter's policy q at u(seed, ctx + j + 1, DRAFT) where `drawn` [B] (bool)
     and its argmax (`argmax` [B, S]) elsewhere -> (drafts [B, S], q over the B x S slots). On the Triton path a
     vocabulary of at most ROW_PROGRAM_VOCAB tokens takes one launch for both (`row_tokens_triton` with its
     rows' stats: the draws of `sample` on `make_policy`'s q), a larger one (up to WIDE_ROW_VOCAB) four; q's rows of
-    undrawn requests then hold placeholders (their drafts were not drawn from it, so no rule reads them)."""
+    undrawn requests then hold placeholders (their drafts were not drawn from it, so no rule reads them).
+    `out` (int64 [B, S], unit last stride; may be `argmax` itself, a block's draft slots): takes the drafts, stored
+    there by the one-program rows' launch (elsewhere copied), and is returned."""
     b, slots, vocab = logits.shape
     flat = logits.reshape(b * slots, vocab)
     if _row_programs(flat, _resolved(rows.backend, flat), True):
         from dscale_runtime.kernels.triton_sampling import row_tokens_triton
 
+        wide = vocab > ROW_PROGRAM_VOCAB
+        into = out if out is not None and not wide and out.stride(-1) == 1 else None
         tokens, stats = row_tokens_triton(flat, True, filtered, None, 0, ~drawn, rows.temperature, rows.top_k,
                                           rows.top_p, rows.seed_lo, rows.seed_hi, ctx, 1, purpose_key(DRAFT),
-                                          _SECOND_KEY, per_request=slots, stats=True,
-                                          wide=vocab > ROW_PROGRAM_VOCAB)
-        return tokens.view(b, slots), Policy.from_rows(flat, stats, filtered)
+                                          _SECOND_KEY, per_request=slots, stats=True, wide=wide, out=into)
+        drafts = tokens if into is not None else tokens.view(b, slots)
+        if out is not None and into is None:
+            drafts = out.copy_(drafts)
+        return drafts, Policy.from_rows(flat, stats, filtered)
     per_slot = rows.rows(torch.arange(b, device=logits.device).repeat_interleave(slots))
     q = make_policy(flat, per_slot, filtered)
     positions = ctx[:, None] + torch.arange(1, slots + 1, device=logits.device)  # [B, S] the drafts' indices
     tokens = sample(q, rows.uniforms(positions, DRAFT).reshape(-1), rows.backend).view(b, slots)
-    return torch.where(drawn[:, None], tokens, argmax), q
+    drafts = torch.where(drawn[:, None], tokens, argmax)
+    return (drafts if out is None else out.copy_(drafts)), q

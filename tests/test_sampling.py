@@ -338,6 +338,12 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
         ctx = torch.randint(1, 2**31, (b,), generator=gen).to(device)
         argmax = d_logits.float().view(b, w - 1, vocab).argmax(-1)
         drafts, q = draft_draws(d_logits.view(b, w - 1, vocab), sampling, ctx, rule == RULE_SAMPLED, filtered, argmax)
+        # into a block's draft slots, its greedy drafts there first (the runner's call): the same drafts, anchors kept
+        slots = torch.cat([torch.full((b, 1), -5, device=device), argmax], dim=1)
+        into, _ = draft_draws(d_logits.view(b, w - 1, vocab), sampling, ctx, rule == RULE_SAMPLED, filtered,
+                              slots[:, 1:], out=slots[:, 1:])
+        assert into.data_ptr() == slots[:, 1:].data_ptr() and torch.equal(slots[:, 1:], drafts)
+        assert (slots[:, 0] == -5).all()
         drawn_rows = torch.repeat_interleave(rule == RULE_SAMPLED, w - 1).nonzero()[:, 0]
         positions = torch.randint(0, 2**31, (m,), generator=gen).to(device)
         index = torch.tensor(row_req, device=device)
@@ -377,9 +383,10 @@ def test_one_launch_drafts_and_acceptance_equal_the_unfused_rules(dtype, vocab, 
                 outcomes["rejected" if want[0][i] < lens[i] - 1 else "all accepted"] += 1
                 outcomes["accepted drafts"] += int(want[0][i])
     assert outcomes["rejected"] >= 5 and outcomes["all accepted"] >= 5 and outcomes["accepted drafts"] >= 10, outcomes
-    # per draw: drafts and target tokens one call each (and again in the wide form's reference), acceptance one
+    # per draw: drafts (twice: into a block too) and target tokens one call each (and again in the wide form's
+    # reference), acceptance one
     wide_draws = len(range(0, draws, 3)) if small else 0
-    assert launched == collections.Counter(row_tokens_triton=2 * draws + 2 * wide_draws,
+    assert launched == collections.Counter(row_tokens_triton=3 * draws + 2 * wide_draws,
                                            accept_rules_triton=draws), launched
 
 
