@@ -259,6 +259,7 @@ class PrefillRunner:
         self.slot_counts = slot_variants(max_requests) if self.pad else (max_requests,)
         """The request slots each bucket is captured with (`slot_variants`; at most the bucket's tokens): a prefill
         of n requests replays the smallest variant with at least n."""
+        self._variants: dict[int, tuple[int, ...]] = {}  # tokens -> `variants(tokens)`
         self.solo = self.pad and max_requests > 1
         """Whether every bucket has a one-request variant (one request slot) beside its full one."""
         self.buffers: dict[tuple[int, int], PrefillBuffers] = {}  # (tokens, request slots) -> buffers
@@ -293,13 +294,15 @@ class PrefillRunner:
             return None
         return next((b for b in self.buckets if b >= tokens), None)
 
-    def _requests_of(self, tokens: int, solo: bool = False) -> int:
-        """The request slots of a bucket's full variant (its one-request variant with `solo`)."""
-        return 1 if solo and self.solo else min(tokens, self.max_requests)
+    def _full_slots(self, tokens: int) -> int:
+        """The request slots of a bucket's full variant."""
+        return min(tokens, self.max_requests)
 
     def variants(self, tokens: int) -> tuple[int, ...]:
         """The request-slot counts a bucket of `tokens` is captured with, ascending (its full count last)."""
-        return tuple(sorted({min(tokens, r) for r in self.slot_counts}))
+        if tokens not in self._variants:  # NOTE: read by every chunk budget beside decoding: computed once a bucket
+            self._variants[tokens] = tuple(sorted({min(tokens, r) for r in self.slot_counts}))
+        return self._variants[tokens]
 
     def slots_for(self, tokens: int, n: int) -> int | None:
         """The slots of the bucket's smallest variant that holds `n` requests (None: none does)."""
@@ -308,7 +311,7 @@ class PrefillRunner:
     def get(self, tokens: int, sampled: bool, filtered: bool, slots: int | None = None) -> PrefillStep:
         """The step of a bucket and draw kind on `slots` request slots (default: the full bucket; a count that is
         not one of its variants takes the next larger one); built on first use."""
-        slots = self.slots_for(tokens, slots or self.max_requests) or self._requests_of(tokens)
+        slots = self.slots_for(tokens, slots or self.max_requests) or self._full_slots(tokens)
         key = (tokens, slots, sampled, filtered)
         if key not in self.steps:
             if (tokens, slots) not in self.buffers:
@@ -344,7 +347,7 @@ class PrefillRunner:
             per = min(tokens, span)  # NOTE: a bucket wider than one request's table is measured over several
             sizes = [per] * (tokens // per) + ([tokens % per] if tokens % per else [])
             long = min(long_context or 16384, span - per)
-            full = self._requests_of(tokens)
+            full = self._full_slots(tokens)
             for slots in self.variants(tokens):
                 step = self.get(tokens, False, False, slots)
                 times = []
@@ -372,14 +375,14 @@ class PrefillRunner:
         slots = self.slots_for(tokens, requests)
         return self.group_ms.get(slots, {}).get(tokens) or self.many_ms[tokens]
 
-    @staticmethod
-    def _requests(many: bool, requests: int | None, cap: int) -> int:
-        return requests if requests is not None else cap if many else 1
+    def _requests(self, many: bool, requests: int | None) -> int:
+        """The requests a prefill is priced for: `requests`, else all slots with `many`, else one."""
+        return requests if requests is not None else self.max_requests if many else 1
 
     def ms_at(self, tokens: int, ctx: int, many: bool = False, requests: int | None = None) -> float:
         """Measured time of a bucket's prefill after `ctx` keys (linear in the keys between the two measures); of
         the variant a prefill of `requests` requests replays (with `many` and no count: the full bucket)."""
-        short, long, c = self._times(tokens, self._requests(many, requests, self.max_requests))
+        short, long, c = self._times(tokens, self._requests(many, requests))
         return short + max(0.0, long - short) * ctx / c
 
     def floor_ms(self, ctx: int, many: bool = False, requests: int | None = None) -> float:

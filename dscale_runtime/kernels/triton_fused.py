@@ -296,7 +296,7 @@ def _norm_launch(x, delta, weight, eps, out, sum_out, skip: int = 0):
     consts = rms_norm_config(dim)
     grid = (triton.cdiv(num, consts["ROWS"]),)
     _rms_norm_kernel[grid](rows, delta2, weight, sum2, out2, num, rows.stride(0), delta2.stride(0), sum2.stride(0),
-                           out2.stride(0), eps, max(skip, 2), HAS_DELTA=delta is not None, SKIP=bool(skip),
+                           out2.stride(0), eps, skip, HAS_DELTA=delta is not None, SKIP=bool(skip),
                            **consts, **_LAUNCH)
     return out, sum_out
 
