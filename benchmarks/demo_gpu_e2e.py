@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -187,17 +188,26 @@ def main() -> None:
     prompts = [p["prompt"] for p in stdlib_prompts()[: args.prompts]]
     rows = []
     for c in args.concurrency:
-        engines = {mode: build_named(mode, c, args) for mode in args.modes}
+        makers = {mode: functools.partial(build_named, mode, c, args) for mode in args.modes}
         for group in args.admission_groups:
             for mode in ("dflash", "dscale"):
-                engines[f"{mode} group{group}"] = build(mode, c, args.dtype, args.predictor, args.step_graphs,
-                                                        admission_group=group)
+                makers[f"{mode} group{group}"] = functools.partial(
+                    build, mode, c, args.dtype, args.predictor, args.step_graphs, admission_group=group)
         if args.no_overlap_too:
             for mode in args.modes:
-                engines[f"{mode} no-overlap"] = build(mode, c, args.dtype, args.predictor, args.step_graphs, False)
+                makers[f"{mode} no-overlap"] = functools.partial(
+                    build, mode, c, args.dtype, args.predictor, args.step_graphs, False)
         if args.eager_prefill_too:
-            engines["dflash eager-prefill"] = build("dflash", c, args.dtype, args.predictor, args.step_graphs,
-                                                    prefill_graphs=False)
+            makers["dflash eager-prefill"] = functools.partial(
+                build, "dflash", c, args.dtype, args.predictor, args.step_graphs, prefill_graphs=False)
+        engines, startup = {}, {}
+        for name, make in makers.items():  # start-up: loading, warm-up, every capture and its timing
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            engines[name] = make()
+            torch.cuda.synchronize()
+            startup[name] = round(time.perf_counter() - began, 2)
+        print(f"c={c} start-up seconds {startup}", flush=True)
         points = list(map(parse_point, args.sampling))
         greedy: dict[str, dict] = {}
         for point, by_mode in zip(points, run_points(engines, prompts, points, args.max_tokens, args.repeats,
@@ -214,6 +224,7 @@ def main() -> None:
                     scaled = g["tokens_per_s"] * r["mean_acceptance_length"] / g["mean_acceptance_length"]
                     r["sampled_cost_ratio"] = round(r["tokens_per_s"] / scaled, 3)  # issue 15 asks >= 0.95
                     r["vs_greedy"] = round(r["tokens_per_s"] / g["tokens_per_s"], 3)  # issue 25: >= 0.95 (target)
+                r["startup_s"] = startup[mode]
                 r["speedup_vs_target"] = round(r["tokens_per_s"] / by_mode["target"]["tokens_per_s"], 2)
                 if "dflash" in by_mode:
                     r["vs_dflash"] = round(r["tokens_per_s"] / by_mode["dflash"]["tokens_per_s"], 3)

@@ -7,8 +7,14 @@
 #   2. ttft: Qwen3-8B shape, a repeated 2,048-token prompt's TTFT against the cold one's (acceptance 3: <= 0.3x).
 #   3. engine_8b: Qwen3-8B shape, c = 32, engine wall per step over its captured replay in the three modes (acceptance
 #      3: <= 1.05).
+#   4. profile_demo: the demo pair's prefill buckets 64, 256 and 1,024, every request-slot variant, replay time, grid
+#      and kernels (`prefill_profile_gpu.py`).
+#   5. step_demo: the demo pair's captured target-only and DFlash steps at N = 32, replay and kernel profile
+#      (`gpu_step.py`: launches per step).
+#   6. gap: Qwen3-8B shape, the 16K prompt beside 31 decoders at the default stall ratio (acceptance 3: <= 2x).
+#   7. bench: `dscale-bench --launch --device cuda` over the demo pair at c = 1, 8, 32 (acceptance 4).
 # Usage: bash benchmarks/issue24_gpu.sh OUT_DIR   (each part has its own time bound; under 10 minutes in all)
-# PARTS (default "demo_e2e ttft engine_8b") picks parts.
+# PARTS (default "demo_e2e ttft engine_8b") picks parts (also: profile_demo step_demo gap bench).
 set -uo pipefail
 source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
 gpu_call "${1:?usage: bash benchmarks/issue24_gpu.sh OUT_DIR}" issue24
@@ -20,4 +26,12 @@ part ttft && run ttft 160 python benchmarks/capacity_gpu.py --parts ttft --chunk
   --out "$out/ttft.json"
 part engine_8b && run engine_8b 170 python benchmarks/engine_8b.py --overlap on \
   --out "$out/engine_8b.json"
+part profile_demo && run profile_demo 60 python benchmarks/prefill_profile_gpu.py --buckets 64 256 1024 --reps 3 \
+  --out "$out/profile_demo.json"
+part step_demo && run step_demo 120 python benchmarks/gpu_step.py --shapes demo --ns 32 --context 256 \
+  --sections step profile --profile-modes target dflash --time-budget 100 --out "$out/step_demo.json"
+part gap && run gap 240 python benchmarks/capacity_gpu.py --parts gap --chunks 8192 --stall-ratios 0.8 "${pool[@]}" \
+  --out "$out/gap.json"
+part bench && run bench 330 python -m dscale_runtime.bench --launch --device cuda --modes target,dflash,dscale \
+  --concurrency 1,8,32 --num-requests 64 --warmup 8 --client-processes 4 --output "$out/bench.csv"
 exit $status
