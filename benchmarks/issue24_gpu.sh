@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24's acceptance 2 and the rest of 3 on one tree, in one GPU call (after `gpu_suite.sh`, `prefill_gap_gpu.sh`
-# and `dscale-bench --launch`, which give acceptance 1, 3's gap, 4 and 6):
+# Issue 24's GPU checks besides the suite (`gpu_suite.sh`: acceptance 1 and 6), part by part, on one tree:
 #   1. demo_e2e: the demo pair through the public Engine (64 prompts x 128 tokens, ignore_eos, every step captured),
 #      target-only, DFlash and DScale at c = 32 and 8, each also with the overlap schedule off, 5 interleaved rounds
 #      of >= 2 s (acceptance 2: DFlash and DScale >= 1.5x target-only; the overlap schedule >= without it).
@@ -13,7 +12,8 @@
 #      (`gpu_step.py`: launches per step).
 #   6. gap: Qwen3-8B shape, the 16K prompt beside 31 decoders at the default stall ratio (acceptance 3: <= 2x).
 #   7. bench: `dscale-bench --launch --device cuda` over the demo pair at c = 1, 8, 32 (acceptance 4).
-# Usage: bash benchmarks/issue24_gpu.sh OUT_DIR   (each part has its own time bound; under 10 minutes in all)
+# Usage: bash benchmarks/issue24_gpu.sh OUT_DIR   (each part has its own time bound; the default parts take under 10
+# minutes, and the others need calls of their own: profile_demo + step_demo + gap ~7 minutes, bench ~5.5)
 # PARTS (default "demo_e2e ttft engine_8b") picks parts (also: profile_demo step_demo gap bench).
 set -uo pipefail
 source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
@@ -33,5 +33,5 @@ part step_demo && run step_demo 120 python benchmarks/gpu_step.py --shapes demo 
 part gap && run gap 240 python benchmarks/capacity_gpu.py --parts gap --chunks 8192 --stall-ratios 0.8 "${pool[@]}" \
   --out "$out/gap.json"
 part bench && run bench 330 python -m dscale_runtime.bench --launch --device cuda --modes target,dflash,dscale \
-  --concurrency 1,8,32 --num-requests 64 --warmup 8 --client-processes 4 --output "$out/bench.csv"
+  --concurrency 1,8,32 --num-requests 64 --warmup 8 --client-processes 4 --output "$out/bench"
 exit $status
