@@ -260,8 +260,6 @@ class PrefillRunner:
         """The request slots each bucket is captured with (`slot_variants`; at most the bucket's tokens): a prefill
         of n requests replays the smallest variant with at least n."""
         self._variants: dict[int, tuple[int, ...]] = {}  # tokens -> `variants(tokens)`
-        self.solo = self.pad and max_requests > 1
-        """Whether every bucket has a one-request variant (one request slot) beside its full one."""
         self.buffers: dict[tuple[int, int], PrefillBuffers] = {}  # (tokens, request slots) -> buffers
         self.steps: dict[tuple[int, int, bool, bool], PrefillStep] = {}  # (tokens, request slots, sampled, filtered)
         self.bucket_ms: dict[int, tuple[float, float, int]] = {}
@@ -360,7 +358,7 @@ class PrefillRunner:
                     step()
                     times.append(float(np.median(cuda_times(step, reps))))
                 entry = (times[0], times[1], max(1, long))
-                if slots == 1 or not self.solo:
+                if slots == self.variants(tokens)[0]:  # NOTE: one slot, or the full bucket without variants
                     self.bucket_ms[tokens] = entry
                 if slots == full:
                     self.many_ms[tokens] = entry
