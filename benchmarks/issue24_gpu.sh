@@ -12,9 +12,12 @@
 #      (`gpu_step.py`: launches per step).
 #   6. gap: Qwen3-8B shape, the 16K prompt beside 31 decoders at the default stall ratio (acceptance 3: <= 2x).
 #   7. bench: `dscale-bench --launch --device cuda` over the demo pair at c = 1, 8, 32 (acceptance 4).
+#   8. bench_ep: the same with every server's engine in a process of its own (`--serve-args "--engine-process true"`).
+#   BENCH_MODES and BENCH_CONCURRENCY narrow the bench parts (defaults target,dflash,dscale and 1,8,32); TIMELINE=1
+#   records each bench part's timeline (`benchmarks/serve_timeline/`) into $out/NAME_timeline.
 # Usage: bash benchmarks/issue24_gpu.sh OUT_DIR   (each part has its own time bound; the default parts take under 10
 # minutes, and the others need calls of their own: profile_demo + step_demo + gap ~7 minutes, bench ~5.5)
-# PARTS (default "demo_e2e ttft engine_8b") picks parts (also: profile_demo step_demo gap bench).
+# PARTS (default "demo_e2e ttft engine_8b") picks parts (also: profile_demo step_demo gap bench bench_ep).
 set -uo pipefail
 source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
 gpu_call "${1:?usage: bash benchmarks/issue24_gpu.sh OUT_DIR}" issue24
@@ -32,6 +35,18 @@ part step_demo && run step_demo 120 python benchmarks/gpu_step.py --shapes demo 
   --sections step profile --profile-modes target dflash --time-budget 100 --out "$out/step_demo.json"
 part gap && run gap 240 python benchmarks/capacity_gpu.py --parts gap --chunks 8192 --stall-ratios 0.8 "${pool[@]}" \
   --out "$out/gap.json"
-part bench && run bench 330 python -m dscale_runtime.bench --launch --device cuda --modes target,dflash,dscale \
-  --concurrency 1,8,32 --num-requests 64 --warmup 8 --client-processes 4 --output "$out/bench"
+bench() {  # NAME SECONDS [dscale-bench flags]
+  local name=$1 limit=$2
+  shift 2
+  local cmd=(python -m dscale_runtime.bench)
+  if [ -n "${TIMELINE:-}" ]; then  # NOTE: the clients' module imported by name, so the recorder can patch it
+    cmd=(env DSCALE_TIMELINE="$out/${name}_timeline" PYTHONPATH="$PWD/benchmarks/serve_timeline:$PYTHONPATH"
+         python -c "import sys; sys.argv[0] = 'dscale-bench'; from dscale_runtime.bench import main; main()")
+  fi
+  run "$name" "$limit" "${cmd[@]}" --launch --device cuda \
+    --modes "${BENCH_MODES:-target,dflash,dscale}" --concurrency "${BENCH_CONCURRENCY:-1,8,32}" --num-requests 64 \
+    --warmup 8 --client-processes 4 --output "$out/$name" "$@"
+}
+part bench && bench bench 330
+part bench_ep && bench bench_ep 330 --serve-args "--engine-process true"
 exit $status

@@ -17,14 +17,17 @@ starts one dscale-serve per mode and stops it after its sweep; without it the be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
 import platform
 import random
+import shlex
 import socket
 import ssl
 import statistics
@@ -120,6 +123,9 @@ class BenchConfig:
     """--launch: dscale-serve --budget-ratio."""
     device: str = "cpu"
     """--launch: dscale-serve --device."""
+    serve_args: str = ""
+    """--launch: more dscale-serve flags, one string split as a shell line (e.g. '--engine-process true'); they come
+    after the flags above, so they override them."""
     timeout: float = 600.0
     """Seconds one request (or a launched server's start) may take."""
     client_processes: int = 1
@@ -155,6 +161,12 @@ class BenchConfig:
             raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"--top-k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.serve_args and not self.launch:
+            raise ValueError("--serve-args is for --launch (a server at --url runs with its own flags)")
+        try:
+            shlex.split(self.serve_args)
+        except ValueError as exc:
+            raise ValueError(f"--serve-args must split as a shell line ({exc}): '{self.serve_args}'") from None
 
     @property
     def mode_list(self) -> list[str]:
@@ -410,10 +422,32 @@ def _timed_loop(url: str, model: str, requests: list[dict], concurrency: int, co
     """One measured pass's closed loop on this thread (`counter`: shared with other client processes): its records
     and the CPU the thread used per second of the loop."""
     more = request_stream(config)
-    cpu, wall = time.thread_time(), time.perf_counter()
-    records = asyncio.run(closed_loop(url, model, requests, concurrency, config.timeout, config.min_duration_s,
-                                      config.request_cap, more, counter))
-    return records, (time.thread_time() - cpu) / (time.perf_counter() - wall)
+    with collector_paused():
+        cpu, wall = time.thread_time(), time.perf_counter()
+        records = asyncio.run(closed_loop(url, model, requests, concurrency, config.timeout, config.min_duration_s,
+                                          config.request_cap, more, counter))
+        return records, (time.thread_time() - cpu) / (time.perf_counter() - wall)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """The client's cyclic garbage collector off for a measured pass (as `timeit` does), its heap collected and
+    frozen first, everything restored after: a full collection in a client process stops its event loop for tens of
+    ms (25-60 ms on a 2-core CPU machine, 2026-12-06), and the requests it serves would carry that pause in their
+    TTFT and TPOT as if the server had made it. Reference counting still frees the pass's acyclic garbage; its
+    cycles wait for the collection after the pass."""
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if not frozen:  # NOTE: a heap frozen before the pass (not by it) stays frozen
+            gc.unfreeze()
+        if enabled:
+            gc.enable()
+        gc.collect()
 
 
 def _client_part(url: str, model: str, requests: list[dict], concurrency: int, config: BenchConfig,
@@ -513,6 +547,7 @@ class LaunchedServer:
         for flag in ("target", "drafter", "predictor"):
             if getattr(config, flag):
                 self.command += [f"--{flag}", getattr(config, flag)]
+        self.command += shlex.split(config.serve_args)
         self.log_path, self.timeout = log_path, config.timeout
 
     def __enter__(self) -> "LaunchedServer":

@@ -210,6 +210,43 @@ def test_launch_sweep_from_the_command_line(tiny, tmp_path):
     assert (out / "server-dflash.log").is_file() and (out / "bench.png").is_file()
 
 
+def test_serve_args_reach_each_launched_server_last(tmp_path, capsys):
+    cfg = parse_config(BenchConfig, "dscale-bench", ["--launch", "--budget-ratio", "0.5", "--serve-args",
+                                                     "--engine-process true --budget-ratio 0.25 --log-level 'info'"])
+    command = bench_module.LaunchedServer(cfg, "dscale", tmp_path / "log").command
+    assert command[-6:] == ["--engine-process", "true", "--budget-ratio", "0.25", "--log-level", "info"]
+    assert command.index("--budget-ratio") < len(command) - 6  # the bench's own flags first: the extras override
+    assert bench_module.LaunchedServer(BenchConfig(launch=True), "dscale", tmp_path / "log").command[-2:] == \
+        ["--log-level", "warning"]
+    for argv, message in ((["--launch", "--serve-args", "--target 'a"], "--serve-args must split"),
+                          (["--url", "http://x", "--serve-args", "--engine-process true"], "--serve-args is for")):
+        with pytest.raises(SystemExit):
+            parse_config(BenchConfig, "dscale-bench", argv)
+        assert message in capsys.readouterr().err
+
+
+def test_a_timed_pass_runs_without_the_cyclic_collector_and_restores_it(monkeypatch):
+    import gc
+
+    seen = {}
+
+    async def loop(*args):
+        seen["enabled"], seen["frozen"] = gc.isenabled(), gc.get_freeze_count()
+        return [{"start": 0.0, "first": 0.1, "end": 0.2, "tokens": 2}]
+
+    monkeypatch.setattr(bench_module, "closed_loop", loop)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    records, _ = bench_module._timed_loop("http://unused", "m", [], 1, BenchConfig(launch=True))
+    assert len(records) == 1 and seen["enabled"] is False and seen["frozen"] > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()  # a caller's own settings survive a pass: off stays off
+    try:
+        bench_module._timed_loop("http://unused", "m", [], 1, BenchConfig(launch=True))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 # ---------------------------------------------------------------------------------------------- sizing, spread
 def test_sizing_flags_parse_and_are_checked(capsys):
     default = parse_config(BenchConfig, "dscale-bench", ["--launch", "--num-requests", "8"])
