@@ -11,13 +11,16 @@
 #   5. step_demo: the demo pair's captured target-only and DFlash steps at N = 32, replay and kernel profile
 #      (`gpu_step.py`: launches per step).
 #   6. gap: Qwen3-8B shape, the 16K prompt beside 31 decoders at the default stall ratio (acceptance 3: <= 2x).
-#   7. bench: `dscale-bench --launch --device cuda` over the demo pair at c = 1, 8, 32 (acceptance 4).
-#   8. bench_ep: the same with every server's engine in a process of its own (`--serve-args "--engine-process true"`).
+#   7. bench: `dscale-bench --launch --device cuda` over the demo pair at c = 1, 8, 32 (acceptance 4), default servers
+#      (the engine in a process of its own since 2026-12-07).
+#   8. bench_ep: the same with `--serve-args "--engine-process true"` (the 2026-12-06 H200 run, before it was the
+#      default); bench_thread: with `--serve-args "--engine-process false"` (the engine in a thread of the HTTP process).
 #   BENCH_MODES and BENCH_CONCURRENCY narrow the bench parts (defaults target,dflash,dscale and 1,8,32); TIMELINE=1
 #   records each bench part's timeline (`benchmarks/serve_timeline/`) into $out/NAME_timeline.
 # Usage: bash benchmarks/issue24_gpu.sh OUT_DIR   (each part has its own time bound; the default parts take under 10
 # minutes, and the others need calls of their own: profile_demo + step_demo + gap ~7 minutes, bench ~5.5)
-# PARTS (default "demo_e2e ttft engine_8b") picks parts (also: profile_demo step_demo gap bench bench_ep).
+# PARTS (default "demo_e2e ttft engine_8b") picks parts (also: profile_demo step_demo gap bench bench_ep
+# bench_thread).
 set -uo pipefail
 source "$(dirname "$0")/gpu_parts.sh"  # gpu_call, run, part
 gpu_call "${1:?usage: bash benchmarks/issue24_gpu.sh OUT_DIR}" issue24
@@ -49,4 +52,5 @@ bench() {  # NAME SECONDS [dscale-bench flags]
 }
 part bench && bench bench 330
 part bench_ep && bench bench_ep 330 --serve-args "--engine-process true"
+part bench_thread && bench bench_thread 330 --serve-args "--engine-process false"
 exit $status

@@ -1,8 +1,8 @@
 """Where a served benchmark's slow first tokens went: reads a timeline folder (`benchmarks/serve_timeline/`, recorded
 with DSCALE_TIMELINE during `dscale-bench --launch`) beside that run's bench_requests.csv.
 
-For every process: its collector's pauses while the clients were timing requests (count, total, the longest; a
-client's own collections before and after each pass included). For every engine: its steps' wall times
+For every process: its collector's pauses while the clients were timing requests and, for a server's processes,
+while it served (count, total, the longest; a client's own collections before and after each pass included). For every engine: its steps' wall times
 (median, p99, longest) and its stretches (runs of steps over twice the median step). For every pass, the requests
 whose TTFT is over 3x the pass's median (issue 24 acceptance 4's bound), each split along its path: client start ->
 HTTP arrival (the handler's `arrival`) -> admission by the engine thread -> first token at the client; with the
@@ -66,15 +66,25 @@ def main(argv: list[str] | None = None) -> dict:
     timed = [c for p in procs for c in p["client"]]
     window = (min(c[0] for c in timed), max(c[2] for c in timed)) if timed else (0.0, 0.0)
     for p in procs:
-        gcs = [g for g in p["gc"] if window[0] <= g[0] <= window[1]]  # NOTE: while clients were timing requests
+        own = [t[0] for key in ("step", "submit", "admit") for t in p[key]]  # a server's span: its own activity
+        lo, hi = (max(window[0], min(own)), min(window[1], max(own))) if own else window
+        gcs = [g for g in p["gc"] if lo <= g[0] <= hi]  # NOTE: while clients were timing requests
         full = [g for g in gcs if g[2] == 2]
         entry = {"pid": p["pid"], "role": p["role"], "collections_logged": len(gcs), "full": len(full),
-                 "pause_total_ms": 1e3 * sum(g[1] for g in gcs), "pause_max_ms": 1e3 * max((g[1] for g in gcs), default=0)}
+                 "pause_total_ms": 1e3 * sum(g[1] for g in gcs),
+                 "pause_max_ms": 1e3 * max((g[1] for g in gcs), default=0)}
         if p["step"]:
             walls = sorted(s[1] for s in p["step"])
             entry.update(steps=len(walls), step_median_ms=1e3 * statistics.median(walls),
                          step_p99_ms=1e3 * walls[int(0.99 * (len(walls) - 1))], step_max_ms=1e3 * walls[-1],
                          stretches=[(round(1e3 * d, 1), n) for _, d, n in stretches(p["step"])])
+        if p.get("types"):  # DSCALE_TIMELINE_TYPES: the oldest generation's population at each full collection
+            window_types = [t for t in p["types"] if window[0] <= t[0] <= window[1]] or p["types"]
+            entry["oldest_generation"] = [(round(t - window[0], 2), total, top[:5]) for t, total, top in window_types]
+            first, last = window_types[0], window_types[-1]
+            grown = {k: v - dict(first[2]).get(k, 0) for k, v in last[2]}
+            print(f"  pid {p['pid']}: oldest generation {first[1]} -> {last[1]} objects over its full collections; "
+                  f"grown most: {sorted(grown.items(), key=lambda kv: -kv[1])[:6]}")
         report["processes"].append(entry)
         pauses += [(g[0], g[1], p["role"], p["pid"]) for g in gcs if g[1] >= 0.002]
         print(f"pid {p['pid']} {p['role']:6s}: {len(gcs)} collections logged ({len(full)} full), pauses "
@@ -87,7 +97,10 @@ def main(argv: list[str] | None = None) -> dict:
     admits = sorted(a for p in procs for a in p["admit"] if a[1] is not None)  # (admitted at, arrival)
     arrivals = sorted((a[1], a[0]) for a in admits)
     clients = {round(c[1] - c[0], 9): c for p in procs for c in p["client"]}
-    rows = list(csv.DictReader(open(os.path.join(args.bench, "bench_requests.csv"))))
+    requests_csv = os.path.join(args.bench, "bench_requests.csv")
+    if not os.path.isfile(requests_csv):
+        raise SystemExit(f"{requests_csv}: no such file (BENCH_DIR is dscale-bench's --output folder)")
+    rows = list(csv.DictReader(open(requests_csv)))
     by_pass = defaultdict(list)
     for r in rows:
         by_pass[(r["mode"], int(r["concurrency"]), int(r["pass"]))].append(r)
@@ -108,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
             gcs = [(round(1e3 * d, 1), role) for t, d, role, _ in pauses if t < first and t + d > start]
             entry["slow"].append({
                 "start_ms": round(1e3 * float(r["start"]), 1), "ttft_ms": round(1e3 * float(r["ttft"]), 1),
-                "to_arrival_ms": round(1e3 * (arrival - start), 2), "to_admission_ms": round(1e3 * (admitted - arrival), 2),
+                "to_arrival_ms": round(1e3 * (arrival - start), 2),
+                "to_admission_ms": round(1e3 * (admitted - arrival), 2),
                 "steps": len(inside), "steps_wall_ms": round(1e3 * sum(s[1] for s in inside), 1),
                 "longest_step_ms": round(1e3 * max((s[1] for s in inside), default=0), 1),
                 "live": max((s[2] for s in inside), default=0), "gc": gcs})

@@ -446,6 +446,8 @@ def test_cli_flags():
     defaults = parse_config(ServeConfig, "dscale-serve", [])
     assert not defaults.trust_request_chat_template and not defaults.enable_docs
     assert defaults.switch_interval_ms == 1.0
+    assert defaults.engine_process  # the engine in a process of its own unless `--engine-process false`
+    assert not parse_config(ServeConfig, "dscale-serve", ["--engine-process", "false"]).engine_process
     for bad in (["--template-timeout", "0"], ["--api-key", ""], ["--header-timeout", "nan"],
                 ["--switch-interval-ms", "0"], ["--loop", "trio"], ["--http", "h2"], ["--max-header-bytes", "10"]):
         with pytest.raises(SystemExit):

@@ -3,19 +3,22 @@ DSCALE_TIMELINE set (a folder): the collector's pauses (every full collection, a
 thread's steps (start, wall, live requests) and admissions, the HTTP process's submissions and pipe deliveries
 (`--engine-process`), and the bench clients' requests (start, first token, end), all on `time.perf_counter`
 (CLOCK_MONOTONIC on Linux: one clock for every process of the host). One JSON file per process, written when the
-engine thread or the engine process's client stops, after each client pass and at exit. Nothing is recorded without DSCALE_TIMELINE; the project
-never imports this file. `benchmarks/serve_timeline.py` reads the folder.
+engine thread or the engine process's client stops, after each client pass and at exit. DSCALE_TIMELINE_TYPES=N
+also records, after every full collection, the N most common types among the objects of the oldest generation (what
+the next full collection walks; counting them takes time of its own, outside the recorded pause). Nothing is
+recorded without DSCALE_TIMELINE; the project never imports this file. `benchmarks/serve_timeline.py` reads the folder.
 
     DSCALE_TIMELINE=/tmp/tl PYTHONPATH=benchmarks/serve_timeline:$PYTHONPATH dscale-bench --launch ...
 
 (`dscale-bench`, or `python -c "from dscale_runtime.bench import main; main()"`: under `python -m dscale_runtime.bench`
 the clients' module is `__main__`, which this file does not patch.)
 """
-import atexit, functools, gc, importlib.abc, importlib.util, json, os, sys, time
+import atexit, collections, functools, gc, importlib.abc, importlib.util, json, os, sys, time
 OUT = os.environ.get("DSCALE_TIMELINE")
 if OUT:
     os.makedirs(OUT, exist_ok=True)
-    _rec = {"gc": [], "step": [], "admit": [], "events": [], "submit": [], "client": []}
+    _rec = {"gc": [], "step": [], "admit": [], "events": [], "submit": [], "client": [], "types": []}
+    TYPES = int(os.environ.get("DSCALE_TIMELINE_TYPES", "0"))
     _gs = {}
     def _path():
         return os.path.join(OUT, f"{os.getpid()}.json")
@@ -24,7 +27,7 @@ if OUT:
             with open(_path(), "w") as f:
                 json.dump({"argv": sys.argv[:3], "pid": os.getpid(), **_rec}, f)
         except Exception as e:
-            print("diag dump failed", e, file=sys.stderr)
+            print("serve_timeline: writing", _path(), "failed:", e, file=sys.stderr)
     atexit.register(dump)
     def _cb(phase, info):
         if phase == "start":
@@ -36,6 +39,10 @@ if OUT:
             d = time.perf_counter() - s
             if d > 0.002 or info.get("generation") == 2:
                 _rec["gc"].append((s, d, info["generation"], info["collected"]))
+            if TYPES and info.get("generation") == 2:  # what the full collection walked: the oldest generation
+                counts = collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}"
+                                             for o in gc.get_objects(generation=2))
+                _rec["types"].append((s, sum(counts.values()), counts.most_common(TYPES)))
     gc.callbacks.append(_cb)
 
     def patch_worker(m):
