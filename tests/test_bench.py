@@ -235,16 +235,26 @@ def test_a_timed_pass_runs_without_the_cyclic_collector_and_restores_it(monkeypa
         return [{"start": 0.0, "first": 0.1, "end": 0.2, "tokens": 2}]
 
     monkeypatch.setattr(bench_module, "closed_loop", loop)
-    assert gc.isenabled() and gc.get_freeze_count() == 0
-    records, _ = bench_module._timed_loop("http://unused", "m", [], 1, BenchConfig(launch=True))
-    assert len(records) == 1 and seen["enabled"] is False and seen["frozen"] > 0
-    assert gc.isenabled() and gc.get_freeze_count() == 0
-    gc.disable()  # a caller's own settings survive a pass: off stays off
+    frozen_before = gc.get_freeze_count()
+    gc.unfreeze()  # NOTE: whatever an earlier test froze: this test starts from nothing frozen, and ends so
     try:
+        records, _ = bench_module._timed_loop("http://unused", "m", [], 1, BenchConfig(launch=True))
+        assert len(records) == 1 and seen["enabled"] is False and seen["frozen"] > 0
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        gc.disable()  # a caller's own settings survive a pass: off stays off
+        try:
+            bench_module._timed_loop("http://unused", "m", [], 1, BenchConfig(launch=True))
+            assert not gc.isenabled() and gc.get_freeze_count() == 0
+        finally:
+            gc.enable()
+        gc.freeze()  # a heap frozen before a pass stays frozen after it
+        frozen = gc.get_freeze_count()
         bench_module._timed_loop("http://unused", "m", [], 1, BenchConfig(launch=True))
-        assert not gc.isenabled()
+        assert gc.get_freeze_count() >= frozen
     finally:
-        gc.enable()
+        gc.unfreeze()
+        if frozen_before:
+            gc.freeze()
 
 
 # ---------------------------------------------------------------------------------------------- sizing, spread
