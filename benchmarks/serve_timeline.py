@@ -2,12 +2,13 @@
 with DSCALE_TIMELINE during `dscale-bench --launch`) beside that run's bench_requests.csv.
 
 For every process: its collector's pauses while the clients were timing requests and, for a server's processes,
-while it served (count, total, the longest; a client's own collections before and after each pass included). For every engine: its steps' wall times
-(median, p99, longest) and its stretches (runs of steps over twice the median step). For every pass, the requests
-whose TTFT is over 3x the pass's median (issue 24 acceptance 4's bound), each split along its path: client start ->
-HTTP arrival (the handler's `arrival`) -> admission by the engine thread -> first token at the client; with the
-engine steps inside that window (count, summed wall, longest) and any collector pause of any process that overlaps
-it. Client records and the CSV's rows are the same requests (TTFT equal to the nanosecond).
+while it served (count, total, the longest; a client's own collections before and after each pass included). For
+every engine: its steps' wall times (median, p99, longest) and its stretches (runs of steps over twice the median
+step, 20 ms of steps or more). For every pass, the requests whose TTFT is over 3x the pass's median (issue 24
+acceptance 4's bound), each split along its path: client start -> HTTP arrival (the handler's `arrival`) ->
+admission by the engine thread -> first token at the client; with the engine steps inside that window (count, summed
+wall, longest) and any collector pause of any process that overlaps it. Client records and the CSV's rows are the
+same requests (TTFT equal to the nanosecond).
 
     python benchmarks/serve_timeline.py TIMELINE_DIR BENCH_DIR [--top 12] [--out report.json]
 """
@@ -19,6 +20,7 @@ import bisect
 import csv
 import glob
 import json
+import math
 import os
 import statistics
 from collections import defaultdict
@@ -36,20 +38,20 @@ def load(folder: str) -> list[dict]:
 
 
 def stretches(steps: list, factor: float = 2.0, min_ms: float = 20.0) -> list[tuple[float, float, int]]:
-    """(start, seconds, steps) of each run of consecutive steps whose wall is over factor x the median step."""
+    """(start, seconds, steps) of each run of consecutive steps whose wall is over factor x the median step, counted
+    by the steps' own summed wall (not the run's span: an idle engine waits between steps) when it reaches min_ms."""
     if not steps:
         return []
     median = statistics.median(s[1] for s in steps)
     out, run = [], []
-    for s in steps:
+    for s in [*steps, (math.inf, 0.0, 0)]:  # NOTE: the sentinel ends a run that lasts to the last step
         if s[1] > factor * median:
             run.append(s)
             continue
-        if run:
-            span = run[-1][0] + run[-1][1] - run[0][0]
-            if span * 1e3 >= min_ms:
-                out.append((run[0][0], span, len(run)))
-            run = []
+        wall = sum(r[1] for r in run)
+        if run and wall * 1e3 >= min_ms:
+            out.append((run[0][0], wall, len(run)))
+        run = []
     return out
 
 
