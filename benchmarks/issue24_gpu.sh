@@ -14,7 +14,8 @@
 #   7. bench: `dscale-bench --launch --device cuda` over the demo pair at c = 1, 8, 32 (acceptance 4), default servers
 #      (the engine in a process of its own since 2026-12-07).
 #   8. bench_ep: the same with `--serve-args "--engine-process true"` (the 2026-12-06 H200 run, before it was the
-#      default); bench_thread: with `--serve-args "--engine-process false"` (the engine in a thread of the HTTP process).
+#      default); bench_thread: with `--serve-args "--engine-process false"` (the engine in a thread of the HTTP
+#      process).
 #   BENCH_MODES and BENCH_CONCURRENCY narrow the bench parts (defaults target,dflash,dscale and 1,8,32); TIMELINE=1
 #   records each bench part's timeline (`benchmarks/serve_timeline/`) into $out/NAME_timeline.
 # Usage: bash benchmarks/issue24_gpu.sh OUT_DIR   (each part has its own time bound; the default parts take under 10
